@@ -1,0 +1,23 @@
+"""NVFP4 quantized linear layers: format, reference quantizers, schemes and one autograd Function.
+
+See ``../shared/SPEC.md`` (§1 format, §2 quantizers, §3 schemes) for the numerical contract.
+"""
+
+from .linear import QuantLinear, edge_block_patterns, quantize_model, quantized_linear
+from .randomness import quant_step, set_quant_rng, set_quant_step
+from .schemes import SCHEMES, Gemm, Operand, Scheme, get_scheme
+
+__all__ = [
+    "QuantLinear",
+    "SCHEMES",
+    "Gemm",
+    "Operand",
+    "Scheme",
+    "edge_block_patterns",
+    "get_scheme",
+    "quant_step",
+    "quantize_model",
+    "quantized_linear",
+    "set_quant_rng",
+    "set_quant_step",
+]

@@ -1,0 +1,208 @@
+"""The NVFP4 format: E2M1 elements, E4M3 block scales, an FP32 tensor scale (SPEC §1).
+
+A quantized tensor is held in two forms that dequantize to the same bits:
+
+* :class:`NVFP4Tensor`, the emulation form: E2M1 values ``q`` as float32, block scales as
+  float32 values that are exactly representable in E4M3, and the FP32 tensor scale.
+* :class:`PackedNVFP4`, the storage form: two 4-bit E2M1 codes per byte, the block scales as
+  ``torch.float8_e4m3fn`` and the FP32 tensor scale (4.5 bits per element for 1×16 groups).
+
+Dequantization is ``x̂ = (q · s_block) · s_tensor`` in float32 (SPEC §1). ``q · s_block`` is exact in
+float32 and in bfloat16 (at most 5 significant bits), so the only rounding is the final product
+with the tensor scale, and both forms perform it identically.
+
+Groups always run along the last dimension of the stored tensor; quantizers move the grouping
+dimension there first (``NVFP4Tensor.dim`` records where it came from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 16
+"""Elements per micro-scale group (SPEC §1)."""
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+"""The eight E2M1 magnitudes; the index is the 3-bit magnitude code."""
+
+# Midpoints between neighbouring grid points. A value exactly on midpoint i (between codes i and
+# i+1) rounds to the even code: down when i is even, up when i is odd (ties to even, SPEC §1).
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def e2m1_code_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """3-bit magnitude code (0..7) of ``|x|`` rounded to nearest E2M1, ties to even, saturating at 6.
+
+    ``a`` must be non-negative. Returns int64 codes.
+    """
+    code = torch.zeros(a.shape, dtype=torch.int64, device=a.device)
+    for i, m in enumerate(_MIDPOINTS):
+        code += (a > m) if i % 2 == 0 else (a >= m)
+    return code
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest E2M1 value, ties to even, saturating at ±6 (SPEC §1).
+
+    Returns float32 values on the E2M1 grid with the sign of ``x`` (``-0.0`` for small negatives).
+    """
+    x = x.float()
+    grid = E2M1_GRID.to(x.device)
+    mag = grid[e2m1_code_magnitude(x.abs())]
+    return torch.where(x < 0, -mag, mag)
+
+
+def encode_e2m1(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (sign bit 3, magnitude bits 0-2) of values already on the E2M1 grid, as uint8."""
+    mag = e2m1_code_magnitude(q.abs())
+    sign = torch.signbit(q).to(torch.int64)
+    return (sign * 8 + mag).to(torch.uint8)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Float32 values of 4-bit E2M1 codes (inverse of :func:`encode_e2m1`)."""
+    codes = codes.to(torch.int64)
+    mag = E2M1_GRID.to(codes.device)[codes & 7]
+    return torch.where(codes >= 8, -mag, mag)
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest E4M3 value (ties to even, subnormals included), saturating at ±448.
+
+    The clamp comes first: torch ≥ 2.13 saturates on its own, older releases return NaN.
+    """
+    x = x.float()
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def e4m3_block_scale(raw: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scale of a non-negative raw scale, with a zero scale replaced by 1 (SPEC §1)."""
+    s = round_e4m3(raw)
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+def e4m3_neighbours(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The E4M3 values ``down ≤ c ≤ up`` that bracket a non-negative ``c`` (clamped to 448).
+
+    When ``c`` is representable, ``down == up == c``. Positive E4M3 bit patterns are ordered like
+    integers, so the neighbour of a rounded value is one bit pattern away.
+    """
+    c = c.float().clamp(0.0, E4M3_MAX)
+    r = c.to(torch.float8_e4m3fn)
+    bits = r.view(torch.uint8).to(torch.int16)
+    rf = r.float()
+    below = (bits - 1).clamp(min=0).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    above = (bits + 1).clamp(max=0x7E).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    down = torch.where(rf > c, below, rf)
+    up = torch.where(rf < c, above, rf)
+    return down, up
+
+
+def tensor_scale(amax: torch.Tensor, target: float) -> torch.Tensor:
+    """FP32 tensor scale ``s_t = amax / target`` (SPEC §2); 1 for an all-zero tensor."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / target, torch.ones_like(amax))
+
+
+def check_groupable(n: int, what: str = "dimension", group: int = GROUP) -> None:
+    """Raise a clear error when a grouped dimension does not divide by the group size."""
+    if n % group != 0:
+        raise ValueError(
+            f"{what} has size {n}, which is not divisible by {group}: NVFP4 groups {group} "
+            f"consecutive elements along the reduction dimension. Pad or resize it to a multiple "
+            f"of {group}."
+        )
+
+
+def to_groups(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """View ``x`` (last dim divisible by ``group``) as ``(..., n // group, group)``."""
+    check_groupable(x.shape[-1], "the grouped (last) dimension", group)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+@dataclass
+class NVFP4Tensor:
+    """Emulation form of a quantized tensor, groups along the last dimension of ``q``.
+
+    Attributes:
+        q: E2M1 values (float32) in the grouped layout, i.e. with the grouping dim moved last.
+        block_scale: E4M3-representable float32 scales, ``q.shape[:-1] + (n // 16,)`` for 1×16
+            groups, or ``(rows // 16, cols // 16)`` for 16×16 tiles of a 2-D ``q``.
+        tensor_scale: FP32 0-dim tensor.
+        dim: the dimension of the original tensor that was grouped (moved back on dequantize).
+        tile: ``"1x16"`` or ``"16x16"``.
+    """
+
+    q: torch.Tensor
+    block_scale: torch.Tensor
+    tensor_scale: torch.Tensor
+    dim: int = -1
+    tile: str = "1x16"
+
+    def expanded_scale(self) -> torch.Tensor:
+        """Block scales broadcast to the shape of ``q``."""
+        if self.tile == "16x16":
+            return self.block_scale.repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)
+        return self.block_scale.repeat_interleave(GROUP, -1)
+
+    def scaled_values(self) -> torch.Tensor:
+        """``q · s_block`` in the grouped layout (exact in float32 and bfloat16)."""
+        return self.q * self.expanded_scale()
+
+    def dequantize_grouped(self) -> torch.Tensor:
+        """``x̂ = (q · s_block) · s_tensor`` in the grouped layout (grouping dim last)."""
+        return self.scaled_values() * self.tensor_scale
+
+    def dequantize(self) -> torch.Tensor:
+        """``x̂`` in the original layout of the quantized tensor."""
+        return self.dequantize_grouped().movedim(-1, self.dim)
+
+    def pack(self) -> "PackedNVFP4":
+        """The storage form: two E2M1 codes per byte, E4M3 scales, FP32 tensor scale."""
+        codes = encode_e2m1(self.q)
+        if codes.shape[-1] % 2:
+            raise ValueError("packing needs an even number of elements along the grouped dim")
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return PackedNVFP4(
+            data=packed,
+            scales=self.block_scale.to(torch.float8_e4m3fn),
+            tensor_scale=self.tensor_scale.float().clone(),
+            dim=self.dim,
+            tile=self.tile,
+        )
+
+
+@dataclass
+class PackedNVFP4:
+    """Storage form of :class:`NVFP4Tensor`: uint8 ``data`` holds element ``2i`` in the low nibble
+    and ``2i+1`` in the high nibble; ``scales`` are ``float8_e4m3fn``."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor
+    dim: int = -1
+    tile: str = "1x16"
+
+    def unpack(self) -> NVFP4Tensor:
+        lo = self.data & 0xF
+        hi = self.data >> 4
+        codes = torch.stack((lo, hi), dim=-1).flatten(-2)
+        return NVFP4Tensor(
+            q=decode_e2m1(codes),
+            block_scale=self.scales.float(),
+            tensor_scale=self.tensor_scale,
+            dim=self.dim,
+            tile=self.tile,
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        return self.unpack().dequantize()
+
+    def nbytes(self) -> int:
+        """Bytes of storage (codes + scales + tensor scale)."""
+        return self.data.numel() + self.scales.numel() + 4

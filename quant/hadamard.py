@@ -1,0 +1,71 @@
+"""The randomized Hadamard transform (SPEC §2, MS-EDEN step 1).
+
+``rotate(x, σ) = (x ⊙ σ) · H_h / √h`` on each chunk of ``h`` consecutive elements of the last
+dimension, with one sign vector ``σ ∈ {±1}^h`` shared by all chunks (and by both operands of a
+GEMM, so the rotations cancel in the product: ``(A D H)(B D H)ᵀ = A D H Hᵀ D Bᵀ = A Bᵀ``).
+The signs act on the input side; after the Hadamard they would cancel under sign-symmetric
+rounding and bias the estimator (SPEC §2).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+ROTATION_SIZES = (16, 32, 64, 128)
+
+
+def check_rotation_size(h: int) -> None:
+    if h not in ROTATION_SIZES:
+        raise ValueError(
+            f"rotation size {h} is not supported; choose one of {ROTATION_SIZES} (SPEC §2)."
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _sylvester(h: int) -> torch.Tensor:
+    """Unnormalised Sylvester Hadamard matrix: H_1 = [1], H_2k = [[H_k, H_k], [H_k, -H_k]]."""
+    H = torch.ones(1, 1)
+    while H.shape[0] < h:
+        H = torch.cat((torch.cat((H, H), 1), torch.cat((H, -H), 1)), 0)
+    return H
+
+
+def hadamard_matrix(h: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The normalised (orthogonal, symmetric) Sylvester Hadamard matrix ``H_h / √h`` in float32."""
+    check_rotation_size(h)
+    return (_sylvester(h) / math.sqrt(h)).to(device)
+
+
+def random_signs(h: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """Uniform random signs ``σ ∈ {±1}^h`` (float32) drawn from ``generator``."""
+    bits = torch.randint(0, 2, (h,), generator=generator, device=device)
+    return (bits * 2 - 1).float()
+
+
+def check_rotatable(n: int, h: int, what: str = "dimension") -> None:
+    if n % h != 0:
+        raise ValueError(
+            f"{what} has size {n}, which is not divisible by the rotation size {h}: the "
+            f"Hadamard rotation works on chunks of {h} elements. Use a size divisible by {h} "
+            f"or a smaller rotation (quant.rotation=...)."
+        )
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``(x ⊙ σ) · H_h / √h`` on chunks of ``h = len(signs)`` along the last dim (float32)."""
+    h = signs.numel()
+    check_rotatable(x.shape[-1], h, "the rotated (last) dimension")
+    H = hadamard_matrix(h, x.device)
+    chunks = x.float().reshape(*x.shape[:-1], -1, h) * signs
+    return (chunks @ H).reshape(x.shape)
+
+
+def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`rotate`: ``(y · H_h / √h) ⊙ σ`` (the normalised H is its own inverse)."""
+    h = signs.numel()
+    H = hadamard_matrix(h, y.device)
+    chunks = y.float().reshape(*y.shape[:-1], -1, h) @ H
+    return (chunks * signs).reshape(y.shape)

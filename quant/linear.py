@@ -1,0 +1,311 @@
+"""One autograd Function that executes any :class:`~quant.schemes.Scheme`, and model conversion.
+
+Each GEMM ``A · Bᵀ`` (forward ``X Wᵀ``, dgrad ``E W``, wgrad ``Eᵀ X``; SPEC §3) runs as:
+
+1. take each operand from its source: the high-precision tensor, or the forward's quantized
+   tensor that the layer saved in packed NVFP4 form (4.5 bits per value);
+2. if the GEMM rotates, draw shared random signs and rotate both operands along the reduction
+   dimension (SPEC §2, MS-EDEN step 1);
+3. quantize each operand along the reduction dimension with its quantizer;
+4. multiply the exact ``q · s_block`` values in the compute dtype (BF16 under autocast: they are
+   exact there) and apply the product of the two FP32 tensor scales to the result, as NVFP4
+   hardware does in its epilogue.
+
+Emulation therefore differs from a real NVFP4 GEMM only in accumulation order. Random draws come
+from :mod:`quant.randomness`, keyed by (seed, step, micro-step, layer, role, rank).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import randomness
+from .format import GROUP, NVFP4Tensor, PackedNVFP4
+from .hadamard import random_signs, rotate
+from .quantizers import amax_of, quantize_ms_eden, quantize_rtn, quantize_rtn_2d, quantize_sr
+from .schemes import Gemm, Operand, Scheme, get_scheme
+
+# Slots of the delayed-amax buffer: (GEMM, operand) → index.
+_AMAX_SLOT = {("forward", "a"): 0, ("forward", "b"): 1, ("dgrad", "a"): 2,
+              ("dgrad", "b"): 3, ("wgrad", "a"): 4, ("wgrad", "b"): 5}
+
+
+@dataclass
+class _Factor:
+    """A GEMM operand as ``values · scale``: ``values`` (rows × reduction) and an FP32 tensor
+    scale, or ``scale=None`` for a plain high-precision tensor."""
+
+    values: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        v = self.values.float()
+        return v if self.scale is None else v * self.scale
+
+    @property
+    def T(self) -> "_Factor":
+        return _Factor(self.values.t(), self.scale)
+
+    @classmethod
+    def of(cls, t: NVFP4Tensor) -> "_Factor":
+        return cls(t.scaled_values(), t.tensor_scale)
+
+
+def _amax(x: torch.Tensor, delayed: torch.Tensor | None, slot: int) -> torch.Tensor | None:
+    """Delayed amax (SPEC §3 ablation): use the previous call's amax, store the current one."""
+    if delayed is None:
+        return None
+    current = amax_of(x)
+    previous = delayed[slot].clone()
+    delayed[slot] = current
+    return torch.where(previous > 0, previous, current)
+
+
+def _quantize(
+    src: _Factor,
+    op: Operand,
+    signs: torch.Tensor | None,
+    gen: torch.Generator | None,
+    rotation: int | None,
+    delayed: torch.Tensor | None,
+    slot: int,
+) -> tuple[_Factor, NVFP4Tensor | None]:
+    """Rotate (if ``signs``) and quantize one operand along its last dim."""
+    if op.quantizer == "none" and signs is None:
+        return src, None
+    x = src.dense()
+    if signs is not None:
+        x = rotate(x, signs)
+    if op.quantizer == "none":
+        return _Factor(x), None
+    amax = _amax(x, delayed, slot)
+    if op.quantizer == "rtn":
+        q = quantize_rtn(x, four_over_six=op.four_over_six, amax=amax)
+    elif op.quantizer == "rtn_2d":
+        q = quantize_rtn_2d(x, four_over_six=op.four_over_six, amax=amax)
+    elif op.quantizer == "sr":
+        u = torch.rand(x.shape, generator=gen, device=x.device)
+        q = quantize_sr(x, u, amax=amax, four_over_six=op.four_over_six)
+    else:  # ms_eden
+        u = torch.rand((*x.shape[:-1], x.shape[-1] // GROUP), generator=gen, device=x.device)
+        q = quantize_ms_eden(x, u, chunk=rotation, amax=amax)
+    return _Factor.of(q), q
+
+
+def _product(a: _Factor, b: _Factor, dtype: torch.dtype) -> torch.Tensor:
+    """``(a.values · b.valuesᵀ) · (a.scale · b.scale)`` in ``dtype``."""
+    out = F.linear(a.values.to(dtype), b.values.to(dtype))
+    if a.scale is None and b.scale is None:
+        return out
+    one = torch.ones((), device=out.device)
+    scale = (a.scale if a.scale is not None else one) * (b.scale if b.scale is not None else one)
+    return out * scale
+
+
+def quantized_gemm(
+    a: _Factor,
+    b: _Factor,
+    gemm: Gemm,
+    role: str,
+    layer: int,
+    dtype: torch.dtype,
+    delayed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, NVFP4Tensor | None, NVFP4Tensor | None]:
+    """``A · Bᵀ`` under one GEMM's quantization. Returns the product and the quantized operands.
+
+    Draw order from the (layer, role) generator: rotation signs, then A's uniforms, then B's.
+    """
+    gen = randomness.generator(layer, role, a.values.device) if gemm.stochastic else None
+    signs = random_signs(gemm.rotation, gen, a.values.device) if gemm.rotation else None
+    fa, qa = _quantize(a, gemm.a, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "a"])
+    fb, qb = _quantize(b, gemm.b, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "b"])
+    return _product(fa, fb, dtype), qa, qb
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+class QuantizedLinearFunction(torch.autograd.Function):
+    """``Y = X Wᵀ`` under a scheme; X may have any leading batch dims.
+
+    Saves for backward what the scheme says: X in high precision or X̂ packed, and Ŵ packed
+    when dgrad reuses the forward's quantized weight (W itself is a parameter, kept anyway).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, scheme: Scheme, layer: int, delayed_amax):  # type: ignore[override]
+        dtype = _compute_dtype(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            y, xq, wq = quantized_gemm(
+                _Factor(x2), _Factor(weight), scheme.forward, "forward", layer, dtype, delayed_amax
+            )
+        packed = {}
+        if scheme.saves_quantized_x and xq is not None:
+            packed["x"] = xq.pack()
+        if scheme.saves_quantized_w and wq is not None:
+            packed["w"] = wq.pack()
+        ctx.scheme, ctx.layer, ctx.dtype = scheme, layer, dtype
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.delayed_amax = delayed_amax
+        ctx.packed_meta = {k: (p.dim, p.tile) for k, p in packed.items()}
+        saved_x = x2 if "x" not in packed else None
+        flat = [t for p in packed.values() for t in (p.data, p.scales, p.tensor_scale)]
+        ctx.save_for_backward(saved_x, weight, *flat)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        scheme: Scheme = ctx.scheme
+        x2, weight, *flat = ctx.saved_tensors
+        packed = {
+            k: PackedNVFP4(*flat[3 * i: 3 * i + 3], *meta).unpack()
+            for i, (k, meta) in enumerate(ctx.packed_meta.items())
+        }
+        x_src = _Factor.of(packed["x"]) if "x" in packed else _Factor(x2)
+        w_src = _Factor.of(packed["w"]) if "w" in packed else _Factor(weight)
+        e = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = dw = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx, _, _ = quantized_gemm(
+                    _Factor(e), w_src.T, scheme.dgrad, "dgrad", ctx.layer, ctx.dtype,
+                    ctx.delayed_amax,
+                )
+                dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                dw, _, _ = quantized_gemm(
+                    _Factor(e.t()), x_src.T, scheme.wgrad, "wgrad", ctx.layer, ctx.dtype,
+                    ctx.delayed_amax,
+                )
+                dw = dw.to(weight.dtype)
+        return dx, dw, None, None, None
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scheme: Scheme,
+    layer: int = 0,
+    delayed_amax: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Functional form of :class:`QuantizedLinearFunction` (no bias)."""
+    return QuantizedLinearFunction.apply(x, weight, scheme, layer, delayed_amax)
+
+
+def check_linear_shape(name: str, in_features: int, out_features: int, scheme: Scheme) -> None:
+    """Refuse layers whose dimensions the scheme cannot group or rotate, naming layer and fix."""
+    needs = []
+    if scheme.forward.quantized:
+        needs.append(("in_features", in_features, GROUP, "the forward GEMM groups along in-features"))
+    if scheme.forward.b.quantizer == "rtn_2d":
+        needs.append(("out_features", out_features, GROUP, "the weight is quantized in 16×16 tiles"))
+    if scheme.dgrad.quantized or scheme.dgrad.rotation:
+        size = max(GROUP, scheme.dgrad.rotation or 1)
+        needs.append(("out_features", out_features, size,
+                      f"dgrad groups{' and rotates' if scheme.dgrad.rotation else ''} along out-features"))
+    if scheme.wgrad.quantized:
+        needs.append(("in_features", in_features, GROUP, "wgrad's operand Xᵀ has in-features as rows"))
+    for what, n, size, why in needs:
+        if n % size:
+            raise ValueError(
+                f"layer {name!r} (Linear {in_features}→{out_features}) cannot use scheme "
+                f"{scheme.name!r}: {what}={n} is not divisible by {size} ({why}). Fix: resize the "
+                f"layer to a multiple of {size}, choose a smaller rotation (quant.rotation=...), "
+                f"or keep it in high precision with quant.skip=['{name}']."
+            )
+
+
+def check_token_count(name: str, tokens: int, scheme: Scheme) -> None:
+    """wgrad groups (and rotates) along tokens: the token count must divide accordingly."""
+    if not (scheme.wgrad.quantized or scheme.wgrad.rotation):
+        return
+    size = max(GROUP, scheme.wgrad.rotation or 1)
+    if tokens % size:
+        raise ValueError(
+            f"layer {name!r}: scheme {scheme.name!r} quantizes the weight gradient along tokens, "
+            f"so the tokens per micro-batch (batch × sequence length = {tokens}) must be "
+            f"divisible by {size}. Fix: change the micro-batch size or the sequence length."
+        )
+
+
+class QuantLinear(nn.Linear):
+    """An ``nn.Linear`` whose GEMMs run under a quantization scheme (same parameters and
+    state-dict keys as ``nn.Linear``, so checkpoints load into either)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        scheme: Scheme,
+        layer_index: int = 0,
+        name: str = "",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        check_linear_shape(name, in_features, out_features, scheme)
+        self.scheme, self.layer_index, self.layer_name = scheme, layer_index, name
+        if scheme.delayed_amax:
+            self.register_buffer("delayed_amax", torch.zeros(6, device=device))
+        else:
+            self.delayed_amax = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_token_count(self.layer_name, x.numel() // x.shape[-1], self.scheme)
+        y = quantized_linear(x, self.weight, self.scheme, self.layer_index, self.delayed_amax)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scheme={self.scheme.name}, layer={self.layer_index}"
+
+
+def edge_block_patterns(n_layer: int, first: int = 2, last: int = 8, prefix: str = "blocks") -> list[str]:
+    """Skip patterns that keep the first ``first`` and last ``last`` blocks in high precision
+    (NVIDIA's recipe at 12B scale, SPEC §3)."""
+    idx = sorted(set(range(min(first, n_layer))) | set(range(max(0, n_layer - last), n_layer)))
+    return [f"{prefix}.{i}.*" for i in idx]
+
+
+def quantize_model(
+    model: nn.Module, scheme: Scheme | str, skip: list[str] | tuple[str, ...] | None = None
+) -> nn.Module:
+    """Swap every ``nn.Linear`` of ``model`` (in place) for a :class:`QuantLinear`.
+
+    Args:
+        scheme: a :class:`Scheme` or a scheme name.
+        skip: ``fnmatch`` patterns of qualified module names kept in high precision; defaults to
+            the scheme's ``skip`` (``lm_head``). The identity scheme (``bf16``) converts nothing.
+
+    Layers are numbered in module order for the randomness key. Weights are moved, not copied.
+    Raises a ValueError naming the layer when a dimension doesn't fit the scheme.
+    """
+    if isinstance(scheme, str):
+        scheme = get_scheme(scheme)
+    patterns = tuple(scheme.skip if skip is None else skip)
+    if scheme.is_identity:
+        return model
+    targets = [
+        (name, mod) for name, mod in model.named_modules()
+        if type(mod) is nn.Linear and not any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
+    for index, (name, lin) in enumerate(targets):
+        q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme=scheme,
+                        layer_index=index, name=name, device="meta")
+        q.weight, q.bias = lin.weight, lin.bias
+        if q.delayed_amax is not None:
+            q.delayed_amax = torch.zeros(6, device=lin.weight.device)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, q)
+    return model

@@ -1,0 +1,216 @@
+"""Reference NVFP4 quantizers in pure PyTorch (SPEC §2): the source of truth for the kernels.
+
+Every quantizer groups 16 consecutive elements along ``dim`` (the reduction dimension of the
+GEMM that consumes the tensor), computes in float32 and returns an :class:`NVFP4Tensor`.
+Randomness is never drawn here: stochastic quantizers take their uniform draws as arguments
+(in the layout of the input), so tests and kernels can replay them exactly.
+
+Scale arithmetic shared by all quantizers (SPEC §2): ``s_t = amax / (target_t)``,
+``s_b = e4m3(amax_b / target_b / s_t)`` (a zero scale becomes 1), ``x_s = x / (s_b · s_t)`` with
+the product ``s_b · s_t`` rounded once in float32, and ``x̂ = (q · s_b) · s_t``.
+``amax`` may be given explicitly (delayed amax: reuse the previous call's value); values beyond
+it then saturate.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .format import (
+    E2M1_GRID,
+    E2M1_MAX,
+    E4M3_MAX,
+    GROUP,
+    NVFP4Tensor,
+    check_groupable,
+    e4m3_block_scale,
+    e4m3_neighbours,
+    round_e2m1,
+    tensor_scale,
+    to_groups,
+)
+
+SR_TARGET = E2M1_MAX * 16 / 17
+"""6' = 6·16/17: SR's pre-shrunk target, so an E4M3-rounded scale never pushes |x_s| past 6."""
+
+FOUR_OVER_SIX_SCALE_MAX = 256.0
+"""4/6 maps the tensor amax to block scale 256, so the 1.5× candidate (384) still fits E4M3."""
+
+EDEN_TARGET = E2M1_MAX / ((17 / 16) * 0.93)
+"""v = 6 / ((17/16)·0.93) ≈ 6.07: MS-EDEN's block target (0.93 is an MSE-tuned clip)."""
+
+EDEN_SCALE_MAX = 255.99
+"""MS-EDEN's tensor-scale headroom: the EDEN correction may raise a block scale."""
+
+
+def amax_of(x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor amax ``max |x|`` (float32), or the given (delayed) amax."""
+    return x.abs().amax().float() if amax is None else amax.float()
+
+
+def stochastic_round_e2m1(v: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Round to one of the two neighbouring E2M1 points, ``P(up) = (|v| − lo)/(hi − lo)``.
+
+    ``|v|`` is clamped at 6 first. One uniform ``u ∈ [0, 1)`` per element; the value goes up when
+    ``u < P(up)``, so ``E[round(v)] = v`` for ``|v| ≤ 6`` (SPEC §2, SR row).
+    """
+    a = v.float().abs().clamp(max=E2M1_MAX)
+    grid = E2M1_GRID.to(v.device)
+    lo_idx = (a.unsqueeze(-1) >= grid[1:]).sum(-1)
+    lo = grid[lo_idx]
+    hi = grid[(lo_idx + 1).clamp(max=7)]
+    gap = hi - lo
+    p_up = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
+    mag = torch.where(uniforms < p_up, hi, lo)
+    return torch.where(v < 0, -mag, mag)
+
+
+def _grouped(x: torch.Tensor, dim: int) -> torch.Tensor:
+    check_groupable(x.shape[dim], f"dimension {dim} of a tensor of shape {tuple(x.shape)}")
+    return to_groups(x.float().movedim(dim, -1))
+
+
+def _quantize_groups(
+    xg: torch.Tensor,
+    s_t: torch.Tensor,
+    target: float,
+    rounding: Callable[[torch.Tensor], torch.Tensor],
+    four_over_six: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block scales and E2M1 values for groups along the last dim of ``xg`` (one scale each).
+
+    With ``four_over_six`` (SPEC §2, 4/6 row) a second candidate maps the group amax to 4
+    (scale ``e4m3(1.5 · raw)``); the candidate with the smaller squared error in the original
+    domain is kept, ties going to 6.
+    """
+    raw = xg.abs().amax(-1, keepdim=True) / target / s_t
+    s6 = e4m3_block_scale(raw)
+    q6 = rounding(xg / (s6 * s_t))
+    if not four_over_six:
+        return q6, s6
+    s4 = e4m3_block_scale(raw * 1.5)
+    q4 = rounding(xg / (s4 * s_t))
+    err6 = ((q6 * s6 * s_t - xg) ** 2).sum(-1, keepdim=True)
+    err4 = ((q4 * s4 * s_t - xg) ** 2).sum(-1, keepdim=True)
+    use4 = err4 < err6
+    return torch.where(use4, q4, q6), torch.where(use4, s4, s6)
+
+
+def _result(q: torch.Tensor, s_b: torch.Tensor, s_t: torch.Tensor, dim: int) -> NVFP4Tensor:
+    return NVFP4Tensor(q=q.flatten(-2), block_scale=s_b.squeeze(-1), tensor_scale=s_t, dim=dim)
+
+
+def quantize_rtn(
+    x: torch.Tensor,
+    dim: int = -1,
+    four_over_six: bool = False,
+    amax: torch.Tensor | None = None,
+) -> NVFP4Tensor:
+    """RTN 1×16 (SPEC §2): ``s_t = amax/(6·448)``, ``s_b = e4m3(amax_b/6/s_t)``, nearest-even E2M1.
+
+    With ``four_over_six``: ``s_t = amax/(6·256)`` and per-group 4/6 selection.
+    """
+    xg = _grouped(x, dim)
+    scale_max = FOUR_OVER_SIX_SCALE_MAX if four_over_six else E4M3_MAX
+    s_t = tensor_scale(amax_of(x, amax), E2M1_MAX * scale_max)
+    q, s_b = _quantize_groups(xg, s_t, E2M1_MAX, round_e2m1, four_over_six)
+    return _result(q, s_b, s_t, dim)
+
+
+def quantize_rtn_2d(
+    w: torch.Tensor, four_over_six: bool = False, amax: torch.Tensor | None = None
+) -> NVFP4Tensor:
+    """RTN with one scale per 16×16 tile of a 2-D weight (SPEC §2, NVIDIA recipe).
+
+    The result is valid as NVFP4 along both dims, so ``quantize_rtn_2d(w.T)`` equals the
+    transpose of ``quantize_rtn_2d(w)``. Stored with ``tile="16x16"`` and grouped along dim -1.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"16×16 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
+    R, C = w.shape
+    check_groupable(R, f"weight dim 0 (shape {tuple(w.shape)})")
+    check_groupable(C, f"weight dim 1 (shape {tuple(w.shape)})")
+    tiles = w.float().reshape(R // GROUP, GROUP, C // GROUP, GROUP).transpose(1, 2)
+    tiles = tiles.reshape(R // GROUP, C // GROUP, GROUP * GROUP)
+    scale_max = FOUR_OVER_SIX_SCALE_MAX if four_over_six else E4M3_MAX
+    s_t = tensor_scale(amax_of(w, amax), E2M1_MAX * scale_max)
+    q, s_b = _quantize_groups(tiles, s_t, E2M1_MAX, round_e2m1, four_over_six)
+    q = q.reshape(R // GROUP, C // GROUP, GROUP, GROUP).transpose(1, 2).reshape(R, C)
+    return NVFP4Tensor(q=q, block_scale=s_b.squeeze(-1), tensor_scale=s_t, tile="16x16")
+
+
+def quantize_sr(
+    x: torch.Tensor,
+    uniforms: torch.Tensor,
+    dim: int = -1,
+    amax: torch.Tensor | None = None,
+    four_over_six: bool = False,
+) -> NVFP4Tensor:
+    """Stochastic rounding 1×16 (SPEC §2): ``s_t = amax/(6'·448)``, ``s_b = e4m3(amax_b/6'/s_t)``.
+
+    ``uniforms`` has the shape of ``x`` (one draw per element). ``four_over_six=True`` is the
+    biased ablation of SPEC §3 (the 4/6 choice depends on the draw), the negative control of
+    the unbiasedness tests; it uses 6'·256 for the tensor scale.
+    """
+    if uniforms.shape != x.shape:
+        raise ValueError(f"SR needs one uniform per element: {tuple(uniforms.shape)} vs {tuple(x.shape)}")
+    xg = _grouped(x, dim)
+    ug = to_groups(uniforms.movedim(dim, -1))
+    scale_max = FOUR_OVER_SIX_SCALE_MAX if four_over_six else E4M3_MAX
+    s_t = tensor_scale(amax_of(x, amax), SR_TARGET * scale_max)
+    q, s_b = _quantize_groups(
+        xg, s_t, SR_TARGET, lambda v: stochastic_round_e2m1(v, ug), four_over_six
+    )
+    return _result(q, s_b, s_t, dim)
+
+
+def stochastic_round_e4m3(c: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Round non-negative ``c`` to one of its E4M3 neighbours, ``P(up) = (c − down)/(up − down)``
+    (SPEC §2, MS-EDEN step 5)."""
+    down, up = e4m3_neighbours(c)
+    gap = up - down
+    p_up = torch.where(gap > 0, (c.clamp(max=E4M3_MAX) - down) / torch.where(gap > 0, gap, 1.0), 0.0)
+    return torch.where(uniforms < p_up, up, down)
+
+
+def quantize_ms_eden(
+    x_rot: torch.Tensor,
+    scale_uniforms: torch.Tensor,
+    chunk: int = 128,
+    dim: int = -1,
+    amax: torch.Tensor | None = None,
+) -> NVFP4Tensor:
+    """MS-EDEN steps 2–6 (SPEC §2) on an input already rotated along ``dim`` in chunks of ``chunk``.
+
+    2. ``s_t = amax/(255.99·v)``, ``s_b = e4m3(amax_b/v/s_t)`` with ``v = 6/((17/16)·0.93)``.
+    3. ``q = rtn(x_s)``, ``x_s = x_rot/(s_b s_t)``, saturating at ±6.
+    4. Per rotation chunk: ``S = Σ x_s² / Σ x_s q`` (1 when the denominator is 0); ``c = s_b · S``.
+    5. ``sr(c)``: stochastic rounding to an E4M3 neighbour, one uniform per 16-element group
+       (``scale_uniforms`` has the shape of ``x_rot`` with ``dim`` divided by 16).
+    6. ``x̂ = q · sr(c) · s_t``, left in the rotated basis.
+    """
+    xg = _grouped(x_rot, dim)
+    ug = scale_uniforms.movedim(dim, -1)
+    if ug.shape != xg.shape[:-1]:
+        raise ValueError(
+            f"MS-EDEN needs one uniform per group of 16: expected {tuple(xg.shape[:-1])} "
+            f"(grouped layout), got {tuple(ug.shape)}"
+        )
+    if chunk % GROUP or xg.shape[-2] % (chunk // GROUP):
+        raise ValueError(f"MS-EDEN chunk {chunk} must be a multiple of 16 dividing dimension {dim}")
+    s_t = tensor_scale(amax_of(x_rot, amax), EDEN_SCALE_MAX * EDEN_TARGET)
+    raw = xg.abs().amax(-1, keepdim=True) / EDEN_TARGET / s_t
+    s_b = e4m3_block_scale(raw)
+    x_s = xg / (s_b * s_t)
+    q = round_e2m1(x_s)
+    per_chunk = chunk // GROUP
+    xs_c = x_s.reshape(*x_s.shape[:-2], -1, per_chunk * GROUP)
+    q_c = q.reshape(xs_c.shape)
+    num = (xs_c * xs_c).sum(-1, keepdim=True)
+    den = (xs_c * q_c).sum(-1, keepdim=True)
+    S = torch.where(den != 0, num / torch.where(den != 0, den, 1.0), 1.0)
+    c = s_b.squeeze(-1) * S.repeat_interleave(per_chunk, -2).squeeze(-1)
+    scale = stochastic_round_e4m3(c, ug)
+    return NVFP4Tensor(q=q.flatten(-2), block_scale=scale, tensor_scale=s_t, dim=dim)

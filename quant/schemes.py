@@ -1,0 +1,215 @@
+"""Training schemes as data (SPEC §3).
+
+A linear layer ``Y = X Wᵀ`` runs three GEMMs, each written ``A · Bᵀ`` with both operands
+quantized along their shared last (reduction) dimension:
+
+=========  =============  ==========  ==========================
+GEMM       A              B           reduction
+=========  =============  ==========  ==========================
+forward    X   (T×K)      W  (N×K)    in-features K
+dgrad      E   (T×N)      Wᵀ (K×N)    out-features N
+wgrad      Eᵀ  (N×T)      Xᵀ (K×T)    tokens T
+=========  =============  ==========  ==========================
+
+A :class:`Scheme` says, per operand, which quantizer it gets (``none``, ``rtn``, ``rtn_2d``,
+``sr``, ``ms_eden``), whether 4/6 selection is on, and, for the backward operands X and W, whether
+they come from the high-precision tensor (``source="input"``) or from the forward's quantized
+tensor (``source="quantized"``, which is then what the layer saves for backward). An optional
+randomized Hadamard rotation of size ``h`` acts on both operands of a GEMM. One autograd
+Function (:mod:`quant.linear`) executes any scheme, so a new scheme is a new entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .hadamard import check_rotation_size
+
+QUANTIZERS = ("none", "rtn", "rtn_2d", "sr", "ms_eden")
+STOCHASTIC = ("sr", "ms_eden")
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one GEMM operand is quantized.
+
+    Attributes:
+        quantizer: one of :data:`QUANTIZERS`.
+        four_over_six: 4/6 block-scale selection (SPEC §2). On ``sr`` it is the biased ablation.
+        source: for the backward operands X and W: ``"input"`` (the high-precision tensor) or
+            ``"quantized"`` (the forward's quantized tensor). Ignored for E and forward operands.
+    """
+
+    quantizer: str = "none"
+    four_over_six: bool = False
+    source: str = "input"
+
+    def __post_init__(self) -> None:
+        if self.quantizer not in QUANTIZERS:
+            raise ValueError(f"unknown quantizer {self.quantizer!r}; choose one of {QUANTIZERS}")
+        if self.source not in ("input", "quantized"):
+            raise ValueError(f"operand source must be 'input' or 'quantized', got {self.source!r}")
+        if self.four_over_six and self.quantizer not in ("rtn", "rtn_2d", "sr"):
+            raise ValueError(f"4/6 selection applies to rtn, rtn_2d or sr, not {self.quantizer!r}")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """Quantization of one GEMM ``A · Bᵀ``: the two operands and an optional rotation size."""
+
+    a: Operand = field(default_factory=Operand)
+    b: Operand = field(default_factory=Operand)
+    rotation: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rotation is not None:
+            check_rotation_size(self.rotation)
+        if "ms_eden" in (self.a.quantizer, self.b.quantizer) and self.rotation is None:
+            raise ValueError("MS-EDEN needs a rotation: its correction works per rotation chunk")
+
+    @property
+    def quantized(self) -> bool:
+        return self.a.quantizer != "none" or self.b.quantizer != "none"
+
+    @property
+    def stochastic(self) -> bool:
+        return self.rotation is not None or any(
+            o.quantizer in STOCHASTIC for o in (self.a, self.b)
+        )
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A training scheme: the forward, dgrad and wgrad GEMMs of SPEC §3 (see module docstring).
+
+    ``delayed_amax`` reuses each operand's previous amax for its tensor scale (SPEC §3 ablation).
+    ``skip`` holds the default module-name patterns that stay in high precision.
+    """
+
+    name: str
+    forward: Gemm = field(default_factory=Gemm)
+    dgrad: Gemm = field(default_factory=Gemm)
+    wgrad: Gemm = field(default_factory=Gemm)
+    delayed_amax: bool = False
+    skip: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        if self.forward.rotation is not None:
+            raise ValueError("forward rotation is not supported: SPEC §3 rotates backward GEMMs only")
+        if "ms_eden" in (self.forward.a.quantizer, self.forward.b.quantizer):
+            raise ValueError("MS-EDEN is a backward quantizer (SPEC §3)")
+        for o in (self.forward.a, self.dgrad.a, self.dgrad.b, self.wgrad.a, self.wgrad.b):
+            if o.quantizer == "rtn_2d":
+                raise ValueError("16×16 quantization applies to the forward weight only (SPEC §3)")
+
+    @property
+    def is_identity(self) -> bool:
+        """True when no GEMM quantizes or rotates anything (the scheme equals ``F.linear``)."""
+        return not any(g.quantized or g.rotation for g in (self.forward, self.dgrad, self.wgrad))
+
+    @property
+    def saves_quantized_x(self) -> bool:
+        return self.wgrad.b.source == "quantized" and self.forward.a.quantizer != "none"
+
+    @property
+    def saves_quantized_w(self) -> bool:
+        return self.dgrad.b.source == "quantized" and self.forward.b.quantizer != "none"
+
+
+def _q(quantizer: str, four_over_six: bool = False, source: str = "input") -> Operand:
+    return Operand(quantizer, four_over_six, source)
+
+
+# SPEC §3, one entry per row of the scheme table.
+_NVIDIA = Scheme(
+    name="nvidia",
+    forward=Gemm(_q("rtn"), _q("rtn_2d")),
+    dgrad=Gemm(_q("sr"), _q("none", source="quantized")),
+    wgrad=Gemm(_q("sr"), _q("rtn", source="input"), rotation=16),
+)
+
+SCHEMES: dict[str, Scheme] = {
+    "bf16": Scheme(name="bf16"),
+    "nvidia": _NVIDIA,
+    "four_over_six": replace(
+        _NVIDIA,
+        name="four_over_six",
+        forward=Gemm(_q("rtn", True), _q("rtn_2d", True)),
+    ),
+    "tetrajet_v2": Scheme(
+        name="tetrajet_v2",
+        forward=Gemm(_q("rtn"), _q("rtn")),
+        dgrad=Gemm(_q("sr"), _q("sr", source="quantized"), rotation=32),
+        wgrad=Gemm(_q("sr"), _q("sr", source="quantized"), rotation=32),
+    ),
+    "quartet2": Scheme(
+        name="quartet2",
+        forward=Gemm(_q("rtn", True), _q("rtn", True)),
+        dgrad=Gemm(_q("ms_eden"), _q("ms_eden", source="quantized"), rotation=128),
+        wgrad=Gemm(_q("ms_eden"), _q("ms_eden", source="quantized"), rotation=128),
+    ),
+}
+
+
+def _set_forward_46(g: Gemm, on: bool) -> Gemm:
+    def op(o: Operand) -> Operand:
+        return replace(o, four_over_six=on) if o.quantizer in ("rtn", "rtn_2d") else o
+
+    return replace(g, a=op(g.a), b=op(g.b))
+
+
+def _set_sr_46(g: Gemm) -> Gemm:
+    def op(o: Operand) -> Operand:
+        return replace(o, four_over_six=True) if o.quantizer == "sr" else o
+
+    return replace(g, a=op(g.a), b=op(g.b))
+
+
+def _without_quantization(g: Gemm) -> Gemm:
+    return Gemm(replace(g.a, quantizer="none", four_over_six=False),
+                replace(g.b, quantizer="none", four_over_six=False))
+
+
+def get_scheme(
+    name: str,
+    *,
+    forward: bool = True,
+    backward: bool = True,
+    rotation: int | None = None,
+    four_over_six: bool | None = None,
+    sr_four_over_six: bool = False,
+    delayed_amax: bool = False,
+) -> Scheme:
+    """A named scheme with the ablation switches of SPEC §3 applied.
+
+    Args:
+        name: one of :data:`SCHEMES`.
+        forward: ``False`` turns forward quantization off (X and W stay high precision).
+        backward: ``False`` turns backward quantization off: dgrad and wgrad are exact GEMMs on
+            what the layer saved, i.e. the exact gradient of the (quantized) forward.
+        rotation: overrides the Hadamard size of every backward GEMM that rotates.
+        four_over_six: turns 4/6 selection on or off for the forward RTN operands.
+        sr_four_over_six: applies 4/6 to SR operands: a **biased** estimator, offered only as
+            the negative control of the unbiasedness tests (SPEC §3, known pitfall).
+        delayed_amax: tensor scales from the previous call's amax.
+    """
+    if name not in SCHEMES:
+        raise ValueError(
+            f"unknown quantization scheme {name!r}; choose one of {sorted(SCHEMES)} "
+            f"(e.g. quant=quartet2)."
+        )
+    s = SCHEMES[name]
+    fwd, dgrad, wgrad = s.forward, s.dgrad, s.wgrad
+    if rotation is not None:
+        check_rotation_size(rotation)
+        dgrad = replace(dgrad, rotation=rotation) if dgrad.rotation else dgrad
+        wgrad = replace(wgrad, rotation=rotation) if wgrad.rotation else wgrad
+    if four_over_six is not None:
+        fwd = _set_forward_46(fwd, four_over_six)
+    if sr_four_over_six:
+        dgrad, wgrad = _set_sr_46(dgrad), _set_sr_46(wgrad)
+    if not forward:
+        fwd = _without_quantization(fwd)
+    if not backward:
+        dgrad, wgrad = _without_quantization(dgrad), _without_quantization(wgrad)
+    return replace(s, forward=fwd, dgrad=dgrad, wgrad=wgrad, delayed_amax=delayed_amax)
