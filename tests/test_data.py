@@ -1,0 +1,561 @@
+"""Tests of the data pipeline (data/): tokenizer, prepare, loader, configs. Run in a few seconds."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from data import prepare as prep
+from data.loader import TokenLoader, val_batches
+from data.prepare import iter_documents, load_manifest, prepare, prepare_from_config, val_mask
+from data.tokenizer import Tokenizer, check_vocab, train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "data" / "corpus" / "kjv.txt.xz"
+VAL_FRACTION = 0.1
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[str]:
+    """The first 40 chapters of the bundled corpus."""
+    out = []
+    for doc in iter_documents(CORPUS):
+        out.append(doc)
+        if len(out) == 40:
+            return out
+    raise AssertionError("the bundled corpus has fewer than 40 documents")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(work: Path, docs: list[str]) -> Tokenizer:
+    return train_tokenizer(docs, work / "tok512.model", 512)
+
+
+@pytest.fixture(scope="module")
+def txt_file(work: Path, docs: list[str]) -> Path:
+    path = work / "small.txt"
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def dataset(work: Path, tokenizer: Tokenizer, txt_file: Path) -> Path:
+    return prepare(
+        work / "ds",
+        tokenizer.path,
+        [txt_file],
+        val_fraction=VAL_FRACTION,
+        num_workers=1,
+        progress=False,
+    )
+
+
+def split_tokens(dataset_dir: Path, split: str) -> np.ndarray:
+    manifest = load_manifest(dataset_dir)
+    shards = manifest["splits"][split]["shards"]
+    return np.concatenate(
+        [np.fromfile(dataset_dir / s["file"], dtype=manifest["dtype"]) for s in shards]
+    )
+
+
+def decode_documents(tokenizer: Tokenizer, tokens: np.ndarray) -> list[str]:
+    assert tokens[-1] == tokenizer.eos_id, "a split must end with EOS"
+    ends = np.flatnonzero(tokens == tokenizer.eos_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokenizer.decode(tokens[a:b]) for a, b in zip(starts, ends, strict=True)]
+
+
+def expected_splits(docs: list[str], val_fraction: float) -> dict[str, list[str]]:
+    is_val = val_mask(np.arange(len(docs)), val_fraction)
+    return {
+        "train": [d for d, v in zip(docs, is_val, strict=True) if not v],
+        "val": [d for d, v in zip(docs, is_val, strict=True) if v],
+    }
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_roundtrips_any_text(tokenizer: Tokenizer) -> None:
+    text = "  Two  spaces,\ttabs,\nnewlines\n\nand ünïcödé — 12345 ✓ "
+    ids = tokenizer.encode(text)
+    assert all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert tokenizer.decode(ids) == text
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (512, 1, 2)
+
+
+def test_tokenizer_training_is_deterministic(
+    tmp_path: Path, docs: list[str], tokenizer: Tokenizer
+) -> None:
+    again = train_tokenizer(docs, tmp_path / "again.model", 512)
+    assert again.sha256 == tokenizer.sha256
+
+
+def test_missing_and_corrupt_tokenizer(tmp_path: Path, txt_file: Path) -> None:
+    missing = tmp_path / "nowhere" / "tokenizer.model"
+    with pytest.raises(FileNotFoundError, match=r"nowhere/tokenizer\.model.*tokenizer_path"):
+        Tokenizer(missing)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        prepare(tmp_path / "out", missing, [txt_file], progress=False)
+    corrupt = tmp_path / "corrupt.model"
+    corrupt.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="not a SentencePiece model"):
+        Tokenizer(corrupt)
+
+
+def test_check_vocab(tokenizer: Tokenizer) -> None:
+    check_vocab(tokenizer, 512)
+    check_vocab(32000, 32064)
+    with pytest.raises(
+        ValueError,
+        match=r"vocabulary \(512 pieces\) is bigger than the model's "
+        r"embedding \(511 rows\)",
+    ):
+        check_vocab(tokenizer, 511)
+    with pytest.raises(ValueError, match="at least 32000"):
+        check_vocab(32000, 4096)
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+def test_shards_roundtrip_to_documents(
+    dataset: Path, tokenizer: Tokenizer, docs: list[str]
+) -> None:
+    manifest = load_manifest(dataset)
+    expected = expected_splits(docs, VAL_FRACTION)
+    assert len(expected["val"]) == 4  # documents 0, 10, 20, 30
+    for split, texts in expected.items():
+        tokens = split_tokens(dataset, split)
+        assert decode_documents(tokenizer, tokens) == texts
+        info = manifest["splits"][split]
+        assert (info["tokens"], info["documents"]) == (len(tokens), len(texts))
+    assert manifest["dtype"] == "uint16"
+    assert manifest["vocab_size"] == 512 and manifest["eos_id"] == 2
+    assert manifest["tokenizer"] == {"path": str(tokenizer.path), "sha256": tokenizer.sha256}
+
+
+def test_val_mask_spreads_the_fraction() -> None:
+    mask = val_mask(np.arange(1000), 0.01)
+    assert mask.sum() == 10
+    assert list(np.flatnonzero(mask)) == list(range(0, 1000, 100))
+    assert not val_mask(np.arange(100), 0.0).any()
+
+
+def test_jsonl_and_parquet_inputs_match_txt(
+    tmp_path: Path, dataset: Path, docs: list[str], tokenizer: Tokenizer
+) -> None:
+    lines = "".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs))
+    (tmp_path / "a.jsonl").write_text(lines, encoding="utf-8")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.write(lines)
+    pq.write_table(pa.table({"text": docs}), tmp_path / "c.parquet", row_group_size=7)
+    reference = load_manifest(dataset)["fingerprint"]
+    for name in ("a.jsonl", "b.jsonl.gz", "c.parquet"):
+        out = prepare(
+            tmp_path / f"ds-{name}",
+            tokenizer.path,
+            [tmp_path / name],
+            val_fraction=VAL_FRACTION,
+            num_workers=1,
+            progress=False,
+        )
+        assert load_manifest(out)["fingerprint"] == reference, name
+
+
+def test_documents_with_blank_lines_roundtrip_via_jsonl(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    texts = ["first\n\nwith a blank line", "  indented\ttab  ", "naïve café, 3.14159"]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    out = prepare(
+        tmp_path / "ds",
+        tokenizer.path,
+        [tmp_path / "x.jsonl"],
+        text_field="body",
+        val_fraction=0.0,
+        num_workers=1,
+        progress=False,
+    )
+    assert decode_documents(tokenizer, split_tokens(out, "train")) == texts
+    assert load_manifest(out)["splits"]["val"] == {"documents": 0, "tokens": 0, "shards": []}
+
+
+def test_missing_text_field_is_reported(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    (tmp_path / "x.jsonl").write_text('{"content": "hello"}\n')
+    with pytest.raises(ValueError, match=r"x\.jsonl:1 has no string field 'text'"):
+        prepare(tmp_path / "a", tokenizer.path, [tmp_path / "x.jsonl"], progress=False)
+    pq.write_table(pa.table({"content": ["hello"]}), tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match=r"no column 'text'"):
+        prepare(tmp_path / "b", tokenizer.path, [tmp_path / "x.parquet"], progress=False)
+
+
+def test_missing_input_and_empty_corpus(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    with pytest.raises(FileNotFoundError, match=r"input not found: .*nope\.txt"):
+        prepare(tmp_path / "a", tokenizer.path, [tmp_path / "nope.txt"], progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .txt, .jsonl or .parquet"):
+        prepare(tmp_path / "b", tokenizer.path, [tmp_path / "empty"], progress=False)
+    (tmp_path / "blank.txt").write_text("\n \n\t\n")
+    with pytest.raises(ValueError, match="corpus is empty.*0 tokens"):
+        prepare(tmp_path / "c", tokenizer.path, [tmp_path / "blank.txt"], progress=False)
+    assert not (tmp_path / "c" / "manifest.json").exists()
+    with pytest.raises(ValueError, match="corpus has no text"):
+        train_tokenizer(["", "  "], tmp_path / "t.model", 300)
+
+
+def test_single_document_leaves_train_empty(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    (tmp_path / "one.txt").write_text("only one document\n")
+    with pytest.raises(ValueError, match="train split is empty.*lower val_fraction"):
+        prepare(tmp_path / "a", tokenizer.path, [tmp_path / "one.txt"], progress=False)
+
+
+def test_second_prepare_reuses_the_dataset(
+    work: Path, dataset: Path, tokenizer: Tokenizer, txt_file: Path
+) -> None:
+    files = sorted(p for p in dataset.iterdir() if p.name != ".lock")
+    before = {p.name: p.stat().st_mtime_ns for p in files}
+    again = prepare(
+        work / "ds",
+        tokenizer.path,
+        [txt_file],
+        val_fraction=VAL_FRACTION,
+        num_workers=1,
+        progress=False,
+    )
+    assert again == dataset
+    assert {p.name: p.stat().st_mtime_ns for p in files} == before
+    assert not (dataset / ".incomplete").exists()
+    assert not list(dataset.glob("*.tmp"))
+
+
+def test_interrupted_prepare_leaves_no_manifest_then_completes(
+    tmp_path: Path,
+    dataset: Path,
+    tokenizer: Tokenizer,
+    txt_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def crash(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep, "_write_manifest", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(
+            tmp_path / "ds",
+            tokenizer.path,
+            [txt_file],
+            val_fraction=VAL_FRACTION,
+            num_workers=1,
+            progress=False,
+        )
+    assert (tmp_path / "ds" / "train_000000.bin").exists()
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        TokenLoader(tmp_path / "ds", "train", seq_len=8, global_batch_size=2)
+    monkeypatch.undo()
+    out = prepare(
+        tmp_path / "ds",
+        tokenizer.path,
+        [txt_file],
+        val_fraction=VAL_FRACTION,
+        num_workers=1,
+        progress=False,
+    )
+    assert load_manifest(out)["fingerprint"] == load_manifest(dataset)["fingerprint"]
+    assert not (out / ".incomplete").exists()
+
+
+def test_damaged_shard_is_detected_and_rebuilt(
+    tmp_path: Path, dataset: Path, tokenizer: Tokenizer, txt_file: Path
+) -> None:
+    kwargs = dict(val_fraction=VAL_FRACTION, num_workers=1, progress=False)
+    out = prepare(tmp_path / "ds", tokenizer.path, [txt_file], **kwargs)
+    shard = out / "val_000000.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ValueError, match="val_000000.bin is .* bytes; the manifest expects"):
+        TokenLoader(out, "val", seq_len=8, global_batch_size=2)
+    (out / "train_000000.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="train_000000.bin of the manifest is missing"):
+        TokenLoader(out, "train", seq_len=8, global_batch_size=2)
+    prepare(tmp_path / "ds", tokenizer.path, [txt_file], **kwargs)
+    assert load_manifest(out)["fingerprint"] == load_manifest(dataset)["fingerprint"]
+    TokenLoader(out, "val", seq_len=8, global_batch_size=2)
+    TokenLoader(out, "train", seq_len=8, global_batch_size=2)
+
+
+def test_prepare_never_overwrites_other_data(
+    tmp_path: Path, dataset: Path, tokenizer: Tokenizer, txt_file: Path
+) -> None:
+    with pytest.raises(ValueError, match="already holds a dataset prepared from other"):
+        prepare(dataset, tokenizer.path, [txt_file], val_fraction=0.5, progress=False)
+    assert load_manifest(dataset)["recipe"]["val_fraction"] == VAL_FRACTION
+    user_dir = tmp_path / "mine"
+    user_dir.mkdir()
+    (user_dir / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not empty and holds no dataset"):
+        prepare(user_dir, tokenizer.path, [txt_file], progress=False)
+    assert os.listdir(user_dir) == ["notes.txt"]
+    assert (user_dir / "notes.txt").read_text() == "keep me"
+
+
+def test_workers_sharding_and_max_tokens_do_not_change_tokens(
+    tmp_path: Path,
+    dataset: Path,
+    tokenizer: Tokenizer,
+    txt_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(prep, "_CHUNK_CHARS", 5000)  # many chunks, so order across workers counts
+    out = prepare(
+        tmp_path / "pool",
+        tokenizer.path,
+        [txt_file],
+        val_fraction=VAL_FRACTION,
+        shard_tokens=1000,
+        num_workers=2,
+        progress=False,
+    )
+    manifest = load_manifest(out)
+    assert len(manifest["splits"]["train"]["shards"]) > 10
+    assert all(s["tokens"] == 1000 for s in manifest["splits"]["train"]["shards"][:-1])
+    for split in ("train", "val"):
+        assert np.array_equal(split_tokens(out, split), split_tokens(dataset, split))
+    assert manifest["fingerprint"] == load_manifest(dataset)["fingerprint"]
+    capped = prepare(
+        tmp_path / "capped",
+        tokenizer.path,
+        [txt_file],
+        val_fraction=VAL_FRACTION,
+        max_tokens=5000,
+        num_workers=2,
+        progress=False,
+    )
+    info = load_manifest(capped)["splits"]
+    total = info["train"]["tokens"] + info["val"]["tokens"]
+    kept = info["train"]["documents"] + info["val"]["documents"]
+    lengths = [len(tokenizer.encode(d)) + 1 for d in iter_documents(txt_file)]
+    assert total == sum(lengths[:kept]) and sum(lengths[: kept - 1]) < 5000 <= total
+
+
+def test_cli_trains_the_tokenizer_on_the_train_split(
+    tmp_path: Path, txt_file: Path, docs: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = prep.main(
+        [
+            str(txt_file),
+            "--out",
+            str(tmp_path / "cli"),
+            "--vocab-size",
+            "512",
+            "--val-fraction",
+            str(VAL_FRACTION),
+            "--num-workers",
+            "1",
+            "--quiet",
+        ]
+    )
+    assert "vocab_size 512" in capsys.readouterr().out
+    train_only = train_tokenizer(
+        expected_splits(docs, VAL_FRACTION)["train"], tmp_path / "train_only.model", 512
+    )
+    assert Tokenizer(out / "tokenizer.model").sha256 == train_only.sha256
+    with pytest.raises(SystemExit):
+        prep.main([str(txt_file), "--out", str(tmp_path / "x")])  # neither tokenizer nor vocab
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def load_config(name: str, tmp_path: Path, **overrides: object) -> OmegaConf:
+    cfg = OmegaConf.load(REPO / "configs" / "data" / f"{name}.yaml")
+    return OmegaConf.merge(cfg, {"cache_dir": str(tmp_path / "cache"), **overrides})
+
+
+def test_sample_config_prepares_the_bundled_corpus(tmp_path: Path) -> None:
+    cfg = load_config("sample", tmp_path, num_workers=1)
+    out = prepare_from_config(cfg)
+    assert out.parent == tmp_path / "cache" and out.name.startswith("sample-")
+    manifest = load_manifest(out)
+    assert manifest["vocab_size"] == cfg.vocab_size == 4096
+    assert manifest["splits"]["val"]["documents"] == 12  # 1% of the 1,189 chapters
+    assert manifest["splits"]["train"]["tokens"] > 1_000_000
+    assert prepare_from_config(cfg) == out
+    assert load_manifest(out) == manifest
+
+
+def test_config_vocab_mismatch_and_missing_tokenizer(
+    tmp_path: Path, tokenizer: Tokenizer, txt_file: Path
+) -> None:
+    cfg = load_config(
+        "sample", tmp_path, inputs=[str(txt_file)], tokenizer_path=str(tokenizer.path)
+    )
+    with pytest.raises(ValueError, match="data.vocab_size is 4096 .* Set data.vocab_size=512"):
+        prepare_from_config(cfg)
+    cfg.tokenizer_path = str(tmp_path / "llama" / "tokenizer.model")
+    with pytest.raises(FileNotFoundError, match=r"llama/tokenizer\.model"):
+        prepare_from_config(cfg)
+    with pytest.raises(MissingMandatoryValue):
+        prepare_from_config(load_config("c4", tmp_path))
+
+
+def test_c4_config_streams_a_hf_dataset(
+    tmp_path: Path, tokenizer: Tokenizer, docs: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def load_dataset(path: str, name: str, split: str, streaming: bool) -> list[dict]:
+        calls.append((path, name, split, streaming))
+        return [{"text": d, "url": "x"} for d in docs]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    cfg = load_config(
+        "c4",
+        tmp_path,
+        tokenizer_path=str(tokenizer.path),
+        vocab_size=512,
+        val_fraction=VAL_FRACTION,
+        num_workers=1,
+    )
+    out = prepare_from_config(cfg)
+    assert calls == [("allenai/c4", "en", "train", True)]
+    for split, texts in expected_splits(docs, VAL_FRACTION).items():
+        assert decode_documents(tokenizer, split_tokens(out, split)) == texts
+    assert prepare_from_config(cfg) == out and len(calls) == 1  # reused: no second download
+    monkeypatch.setitem(sys.modules, "datasets", None)  # once prepared, no Hub access is needed
+    assert prepare_from_config(cfg) == out
+
+
+def test_hf_errors_without_datasets_or_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ImportError, match="pip install datasets"):
+        prep.iter_hf_documents("allenai/c4", "en")
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise OSError("name resolution failed")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(ConnectionError, match="name resolution failed.*network access"):
+        prep.iter_hf_documents("allenai/c4", "en")
+
+
+# ----------------------------------------------------------------------------- loader
+
+
+def batches(loader: TokenLoader, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [loader.next_batch() for _ in range(count)]
+
+
+def test_batches_are_shifted_windows_in_shuffled_order(dataset: Path) -> None:
+    seq_len = 64
+    stream = split_tokens(dataset, "train").astype(np.int64)
+    loader = TokenLoader(dataset, "train", seq_len, global_batch_size=1)
+    n = loader.num_samples
+    assert n == (len(stream) - 1) // seq_len
+    windows = {tuple(stream[i * seq_len : i * seq_len + seq_len + 1]) for i in range(n)}
+    loader = TokenLoader(dataset, "train", seq_len, global_batch_size=n)
+    for _ in range(2):  # two epochs, in two different orders
+        inputs, targets = loader.next_batch()
+        assert inputs.dtype == targets.dtype == torch.long
+        assert inputs.shape == targets.shape == (n, seq_len)
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])
+        rows = torch.cat([inputs, targets[:, -1:]], dim=1).numpy()
+        assert {tuple(r) for r in rows} == windows
+        assert not np.array_equal(rows[:, 0], stream[np.arange(n) * seq_len])
+    assert loader.state_dict()["epoch"] == 2
+
+
+def test_loader_resumes_at_the_same_token(dataset: Path) -> None:
+    args = (dataset, "train", 128, 24)
+    reference = batches(TokenLoader(*args, seed=3), 30)  # crosses epoch boundaries
+    first = TokenLoader(*args, seed=3)
+    batches(first, 11)
+    state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint as plain data
+    resumed = TokenLoader(*args, seed=99)
+    resumed.load_state_dict(state)
+    assert resumed.seed == 3
+    for (x, y), (rx, ry) in zip(batches(resumed, 19), reference[11:], strict=True):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+    other_seed = batches(TokenLoader(*args, seed=4), 1)[0][0]
+    assert not torch.equal(other_seed, reference[0][0])
+
+
+def test_two_ranks_see_the_single_rank_batches(dataset: Path) -> None:
+    single = TokenLoader(dataset, "train", 32, 8, seed=1)
+    ranks = [TokenLoader(dataset, "train", 32, 8, rank=r, world_size=2, seed=1) for r in range(2)]
+    for _ in range(3):
+        x, y = single.next_batch()
+        parts = [rank.next_batch() for rank in ranks]
+        assert parts[0][0].shape == (4, 32)
+        assert torch.equal(torch.cat([p[0] for p in parts]), x)
+        assert torch.equal(torch.cat([p[1] for p in parts]), y)
+    assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+    resumed = TokenLoader(dataset, "train", 32, 8, rank=1, world_size=2)
+    resumed.load_state_dict(single.state_dict())
+    assert torch.equal(resumed.next_batch()[0], single.next_batch()[0][4:])
+
+
+def test_changed_fingerprint_is_refused(
+    tmp_path: Path, dataset: Path, tokenizer: Tokenizer, txt_file: Path
+) -> None:
+    other = prepare(
+        tmp_path / "other",
+        tokenizer.path,
+        [txt_file],
+        val_fraction=0.2,
+        num_workers=1,
+        progress=False,
+    )
+    state = TokenLoader(dataset, "train", 16, 4).state_dict()
+    loader = TokenLoader(other, "train", 16, 4)
+    assert loader.fingerprint != state["fingerprint"]
+    with pytest.raises(ValueError, match=f"{state['fingerprint']}.*{loader.fingerprint}"):
+        loader.load_state_dict(state)
+    with pytest.raises(ValueError, match="seq_len=16"):
+        TokenLoader(dataset, "train", 32, 4).load_state_dict(state)
+
+
+def test_loader_errors(dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a positive multiple of world_size 4"):
+        TokenLoader(dataset, "train", 16, 6, rank=0, world_size=4)
+    with pytest.raises(ValueError, match="fewer than one sample .*larger val_fraction"):
+        TokenLoader(dataset, "val", 10**6, 2)
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        TokenLoader(tmp_path, "train", 16, 2)
+
+
+def test_val_batches_are_fixed(dataset: Path) -> None:
+    first = list(val_batches(dataset, 32, 4, num_batches=3))
+    second = list(val_batches(dataset, 32, 4, num_batches=3))
+    assert len(first) == 3 and all(x.shape == (4, 32) for x, _ in first)
+    for (x, y), (x2, y2) in zip(first, second, strict=True):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+    ranks = [list(val_batches(dataset, 32, 4, 3, rank=r, world_size=2)) for r in range(2)]
+    for i, (x, y) in enumerate(first):
+        assert torch.equal(torch.cat([ranks[0][i][0], ranks[1][i][0]]), x)
+        assert torch.equal(torch.cat([ranks[0][i][1], ranks[1][i][1]]), y)
+    stream = split_tokens(dataset, "val").astype(np.int64)
+    every = list(val_batches(dataset, 32, 4))
+    assert len(every) == ((len(stream) - 1) // 32) // 4
+    assert np.array_equal(every[0][0][0].numpy(), stream[:32])
+    with pytest.raises(ValueError, match="asked for 1000 validation batches"):
+        val_batches(dataset, 32, 4, num_batches=1000)
