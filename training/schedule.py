@@ -1,0 +1,28 @@
+"""Learning-rate schedule of SPEC §4: linear warmup from lr/100 over the first 10% of steps, then
+cosine decay to lr/10 at the last step."""
+
+from __future__ import annotations
+
+import math
+
+
+def lr_at(
+    step: int,
+    total_steps: int,
+    peak_lr: float,
+    warmup_frac: float = 0.1,
+    start_ratio: float = 0.01,
+    final_ratio: float = 0.1,
+) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) of ``total_steps``.
+
+    Warmup: ``lr(s) = peak · (r0 + (1 − r0) · s / W)`` for ``s < W = ⌈warmup_frac · total⌉``, with
+    ``r0 = start_ratio``. Decay: ``lr(s) = peak · (rf + (1 − rf) · (1 + cos(π·p)) / 2)`` with
+    ``p = (s − W) / (total − 1 − W)`` going from 0 to 1 and ``rf = final_ratio``.
+    """
+    warmup = math.ceil(warmup_frac * total_steps)
+    if step < warmup:
+        return peak_lr * (start_ratio + (1 - start_ratio) * step / warmup)
+    span = max(1, total_steps - 1 - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return peak_lr * (final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

@@ -1,0 +1,137 @@
+"""Logging of a run: plain log lines (file + stdout), a progress bar on terminals, a local metrics
+file (``metrics.jsonl``) and Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("train")
+
+
+def wandb_mode(requested: str) -> str:
+    """``online``/``offline``/``disabled``; ``auto`` is online only when an API key is present."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path.home() / ".netrc"
+    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
+        return "online"
+    return "offline"
+
+
+def interactive() -> bool:
+    """A progress bar only on a terminal and outside Slurm batch jobs."""
+    return sys.stderr.isatty() and "SLURM_JOB_ID" not in os.environ
+
+
+def _clean(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+
+
+class Tracker:
+    """One run's outputs. ``run_id`` is the W&B run id stored in checkpoints, so a resumed run
+    continues the same W&B run."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        name: str,
+        group: str,
+        wandb_cfg: dict[str, Any],
+        run_id: str | None,
+        total_steps: int,
+        start_step: int,
+    ) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / "train.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        self._handler = handler
+        if not any(isinstance(h, logging.StreamHandler) and h.stream is sys.stdout for h in log.handlers):
+            out = logging.StreamHandler(sys.stdout)
+            out.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(out)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        log.disabled = False  # Hydra disables loggers created before it configured logging
+        self._metrics = open(run_dir / "metrics.jsonl", "a")
+        self.bar = None
+        if interactive():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self.wandb = None
+        self.run_id = run_id
+        mode = wandb_mode(wandb_cfg.get("mode", "auto")) if wandb_cfg.get("enabled", True) else "disabled"
+        if mode != "disabled":
+            import wandb
+
+            self.run_id = run_id or uuid.uuid4().hex[:12]
+            self.wandb = wandb.init(
+                project=wandb_cfg.get("project"),
+                entity=wandb_cfg.get("entity"),
+                name=name,
+                group=group,
+                tags=list(wandb_cfg.get("tags") or []),
+                id=self.run_id,
+                resume="allow",
+                dir=str(run_dir),
+                config=config,
+                mode=mode,
+            )
+
+    def info(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+            self._handler.emit(logging.LogRecord("train", logging.INFO, "", 0, msg, None, None))
+        else:
+            log.info(msg)
+
+    def log(self, step: int, metrics: dict[str, Any], line: bool = True) -> None:
+        metrics = _clean(metrics)
+        self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._metrics.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if not line:
+            return
+        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        if self.bar is not None:
+            loss = metrics.get("train/loss")
+            tps = metrics.get("perf/tokens_per_s")
+            self.bar.set_postfix_str(f"loss={loss:.4f} tok/s={tps:.0f}" if loss is not None and tps else "")
+            self._handler.emit(logging.LogRecord("train", logging.INFO, "", 0, f"step {step} {text}", None, None))
+        else:
+            log.info(f"step {step} {text}")
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        with open(self.run_dir / "summary.json", "w") as f:
+            json.dump(_clean(values), f, indent=2)
+        if self.wandb is not None:
+            for k, v in _clean(values).items():
+                self.wandb.summary[k] = v
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self._metrics.close()
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=exit_code)
+        log.removeHandler(self._handler)
+        self._handler.close()
