@@ -21,6 +21,7 @@ from typing import Any
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 
 import quant
 from data.loader import TokenLoader, val_batches
@@ -28,11 +29,14 @@ from data.prepare import load_manifest, prepare_from_config
 from data.tokenizer import check_vocab
 from model import build_model
 from quant import randomness
-from training.checkpoint import Checkpointer, check_fingerprint, config_fingerprint
+from model.parallel import materialize, parallelize
+from training.checkpoint import Checkpointer, check_fingerprint, config_fingerprint, read_extra
+from training.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed, shutdown
 from training.metrics import bf16_peak_flops, mfu, peak_memory_gib
 from training.optim import build_adamw
+from training.preemption import PreemptionWatcher
 from training.schedule import lr_at
-from training.tracking import Tracker
+from training.tracking import NullTracker, Tracker
 
 
 def _budget(steps: Any, tokens_per_param: Any) -> str:
@@ -44,6 +48,10 @@ OmegaConf.register_new_resolver("budget", _budget, replace=True)
 
 class TrainingError(RuntimeError):
     """A run stopped for a reason the user can act on; the message says what and how."""
+
+
+class Preempted(Exception):
+    """The run checkpointed on a stop request and exits so that Slurm can requeue it."""
 
 
 def scheme_from_config(qcfg: DictConfig) -> quant.Scheme:
@@ -65,14 +73,6 @@ def skip_patterns(qcfg: DictConfig, n_layer: int) -> list[str]:
     return patterns
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("device=cuda but no CUDA GPU is visible. Fix: device=cpu or device=auto.")
-    return torch.device(name)
-
-
 def total_steps(cfg: DictConfig, non_embedding_params: int) -> int:
     """The token budget in optimizer steps: ``train.steps``, or ``tokens_per_param × N`` tokens."""
     if cfg.train.tokens_per_param is not None:
@@ -84,89 +84,129 @@ def total_steps(cfg: DictConfig, non_embedding_params: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(model, data_dir: Path, cfg: DictConfig, device: torch.device, autocast: bool) -> float:
-    """Mean validation loss over a fixed set of held-out batches."""
+def evaluate(model, data_dir: Path, cfg: DictConfig, di: DistInfo, autocast: bool) -> float:
+    """Mean validation loss over a fixed set of held-out batches (each rank takes its share)."""
     model.eval()
     losses = []
-    for x, y in val_batches(data_dir, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.eval_batches):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            losses.append(model(x.to(device), y.to(device)).float())
+    batches = val_batches(data_dir, cfg.train.seq_len, cfg.train.eval_batch_size, cfg.train.eval_batches,
+                          rank=di.rank, world_size=di.world_size)
+    for x, y in batches:
+        with torch.autocast(di.device.type, dtype=torch.bfloat16, enabled=autocast):
+            losses.append(model(x.to(di.device), y.to(di.device)).float())
     model.train()
-    return torch.stack(losses).mean().item()
+    return all_reduce_mean(torch.stack(losses).mean()).item()
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says; returns the final metrics (also in ``run_dir/summary.json``)."""
+    """Train as ``cfg`` says; returns the final metrics (also in ``run_dir/summary.json``).
+
+    Works in one process or under torchrun/srun (FSDP2 over all ranks, see model/parallel.py).
+    """
+    dist_info = init_distributed(cfg.device, cfg.parallel.replicate)
+    try:
+        return _train(cfg, dist_info)
+    finally:
+        shutdown()
+
+
+def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-    device = resolve_device(cfg.device)
+    device, main_rank = di.device, di.is_main
     autocast = cfg.precision == "bf16"
     torch.manual_seed(cfg.seed)
-    quant.set_quant_rng(seed=cfg.seed, rank=0)
+    quant.set_quant_rng(seed=cfg.seed, rank=di.rank)
 
-    # Data: prepare the token shards if needed (bundled corpus by default).
-    data_dir = prepare_from_config(cfg.data)
+    # Data: rank 0 prepares the token shards if needed (bundled corpus by default), then the rest.
+    if main_rank:
+        data_dir = prepare_from_config(cfg.data)
+    barrier()
+    if not main_rank:
+        data_dir = prepare_from_config(cfg.data)
     check_vocab(load_manifest(data_dir)["vocab_size"], cfg.model.vocab_size)
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise TrainingError(
             f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}. "
             f"Fix: lower train.seq_len or raise model.max_seq_len."
         )
-    if cfg.train.batch_size % cfg.train.micro_batch_size:
+    rows_per_rank, rem = divmod(cfg.train.batch_size, di.world_size)
+    if rem or rows_per_rank % cfg.train.micro_batch_size:
         raise TrainingError(
-            f"train.batch_size={cfg.train.batch_size} is not a multiple of train.micro_batch_size="
-            f"{cfg.train.micro_batch_size}. Fix: choose a micro-batch that divides the batch."
+            f"train.batch_size={cfg.train.batch_size} must split into {di.world_size} rank(s) × "
+            f"micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}. Fix: make the "
+            f"batch a multiple of world_size × micro_batch_size."
         )
-    accum = cfg.train.batch_size // cfg.train.micro_batch_size
-    loader = TokenLoader(data_dir, "train", cfg.train.seq_len, cfg.train.batch_size, seed=cfg.seed)
+    accum = rows_per_rank // cfg.train.micro_batch_size
+    if cfg.train.eval_batch_size % di.world_size:
+        raise TrainingError(
+            f"train.eval_batch_size={cfg.train.eval_batch_size} is not divisible by the "
+            f"{di.world_size} ranks. Fix: make it a multiple of the world size."
+        )
+    loader = TokenLoader(data_dir, "train", cfg.train.seq_len, cfg.train.batch_size, rank=di.rank,
+                         world_size=di.world_size, seed=cfg.seed)
 
-    # Model: plain Llama, block linears swapped for the scheme's quantized ones.
-    model = build_model(cfg.model, device=device)
+    # Model: built on meta, block linears swapped for the scheme's, parallelized, then materialized.
+    model = build_model(cfg.model, device="meta")
     scheme = scheme_from_config(cfg.quant)
     quant.quantize_model(model, scheme, skip=skip_patterns(cfg.quant, cfg.model.n_layer))
     n_params = model.num_params(non_embedding=True)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)
-    step_fn_model = torch.compile(model) if cfg.compile else model
+    parallelize(model, di.mesh, activation_checkpointing=cfg.parallel.activation_checkpointing,
+                ac_every=cfg.parallel.ac_every, compile=cfg.compile, bf16_params=autocast)
+    materialize(model, device, cfg.seed)
     optimizer = build_adamw(model, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay, cfg.optim.eps)
     steps = total_steps(cfg, n_params)
 
     # Resume from the newest complete checkpoint of this run directory.
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    fingerprint = config_fingerprint(resolved)
-    checkpoints = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+    fingerprint = config_fingerprint({**resolved, "world_size": di.world_size})
+    checkpoints = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
+                               async_save=cfg.train.async_checkpoint, is_main=main_rank)
+    preemption = PreemptionWatcher(run_dir)
     start, run_id, last_val = 0, None, None
     latest = checkpoints.latest() if cfg.resume else None
     if latest is not None:
-        state = Checkpointer.load(latest)
-        check_fingerprint(state["fingerprint"], fingerprint, latest)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])
-        randomness.load_state_dict(state["quant_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        start, run_id, last_val = state["step"], state["wandb_run_id"], state.get("val_loss")
+        saved = read_extra(latest)["fingerprint"]
+        if cfg.parallel.allow_reshard:
+            saved = {**saved, "world_size": fingerprint["world_size"]}
+        check_fingerprint(saved, fingerprint, latest)
+        extra = Checkpointer.load(latest, model, optimizer)
+        loader.load_state_dict(extra["loader"])
+        randomness.load_state_dict({**extra["quant_rng"], "rank": di.rank})
+        torch.set_rng_state(extra["torch_rng"])
+        start, run_id, last_val = extra["step"], extra["wandb_run_id"], extra.get("val_loss")
+    barrier()
+    if main_rank:
+        preemption.clear()
 
-    tracker = Tracker(run_dir, resolved, cfg.run_name, cfg.run_group, OmegaConf.to_container(cfg.wandb),
-                      run_id, steps, start)
+    tracker = (Tracker(run_dir, resolved, cfg.run_name, cfg.run_group, OmegaConf.to_container(cfg.wandb),
+                       run_id, steps, start) if main_rank else NullTracker())
     tracker.info(
         f"run {cfg.run_name}: model {cfg.model.name} ({n_params:,} non-embedding params), scheme "
-        f"{scheme.name}, {steps} steps of {cfg.train.batch_size}×{cfg.train.seq_len} tokens, device "
-        f"{device}, dir {run_dir}" + (f"; resuming at step {start} from {latest}" if latest else "")
+        f"{scheme.name}, {steps} steps of {cfg.train.batch_size}×{cfg.train.seq_len} tokens, "
+        f"{di.world_size} rank(s) on {device.type}, dir {run_dir}"
+        + (f"; resuming at step {start} from {latest}" if latest else "")
     )
 
-    def save(step: int) -> Path:
-        return checkpoints.save(step, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-            "loader": loader.state_dict(), "quant_rng": randomness.state_dict(),
+    def save(step: int, force_sync: bool = False) -> Path:
+        return checkpoints.save(step, model, optimizer, {
+            "step": step, "loader": loader.state_dict(), "quant_rng": randomness.state_dict(),
             "torch_rng": torch.get_rng_state(), "wandb_run_id": tracker.run_id,
             "fingerprint": fingerprint, "config": resolved, "val_loss": last_val,
-        })
+        }, force_sync=force_sync)
 
     peak = bf16_peak_flops(device, cfg.train.peak_flops)
+    fsdp = di.mesh is not None
     model.train()
     t0, tokens_since = time.perf_counter(), 0
     exit_code = 0
     try:
         for step in range(start, steps):
+            if any_rank(preemption.requested(), device):
+                path = save(step, force_sync=True)
+                if main_rank:
+                    preemption.mark_requeue()
+                tracker.info(f"stop requested: checkpointed step {step} to {path}; exiting for requeue")
+                raise Preempted(step)
             lr = lr_at(step, steps, cfg.optim.lr, cfg.optim.warmup_frac, cfg.optim.start_ratio,
                        cfg.optim.final_ratio)
             for group in optimizer.param_groups:
@@ -176,11 +216,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             loss_sum = torch.zeros((), device=device)
             for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
                 quant.set_quant_step(step, micro)
+                if fsdp:
+                    model.set_requires_gradient_sync(micro == accum - 1)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    loss = step_fn_model(x.to(device), y.to(device))
+                    loss = model(x.to(device), y.to(device))
                 (loss / accum).backward()
-                loss_sum += loss.detach()
-            train_loss = (loss_sum / accum).item()
+                loss_sum += loss.detach().float()
+            train_loss = all_reduce_mean(loss_sum / accum).item()
             if not math.isfinite(train_loss):
                 good = checkpoints.latest()
                 raise TrainingError(
@@ -189,14 +231,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     f"Fix: lower optim.lr, check the data, or try quant=bf16 to see whether the "
                     f"quantization scheme is at fault; the run resumes from that checkpoint."
                 )
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tokens_since += cfg.train.batch_size * cfg.train.seq_len
             tracker.advance()
 
             done = step + 1
-            metrics: dict[str, Any] = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": grad_norm}
+            metrics: dict[str, Any] = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": grad_norm.item()}
             if done % cfg.train.log_every == 0 or done == steps:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -204,26 +248,30 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 tps = tokens_since / elapsed
                 metrics |= {
                     "perf/tokens_per_s": tps,
-                    "perf/mfu_vs_bf16_peak": mfu(flops_per_token, tps, peak),
+                    "perf/tokens_per_s_per_rank": tps / di.world_size,
+                    "perf/mfu_vs_bf16_peak": mfu(flops_per_token, tps / di.world_size, peak),
                     "perf/peak_memory_gib": peak_memory_gib(device),
                     "perf/eta_min": (steps - done) * cfg.train.batch_size * cfg.train.seq_len / tps / 60,
                 }
                 t0, tokens_since = time.perf_counter(), 0
             if done % cfg.train.eval_every == 0 or done == steps:
-                last_val = evaluate(model, data_dir, cfg, device, autocast)
+                last_val = evaluate(model, data_dir, cfg, di, autocast)
                 metrics["val/loss"] = last_val
             tracker.log(done, metrics, line="perf/tokens_per_s" in metrics or "val/loss" in metrics)
             if done % cfg.train.ckpt_every == 0 or done == steps:
                 save(done)
 
+        checkpoints.wait()
         if last_val is None:
-            last_val = evaluate(model, data_dir, cfg, device, autocast)
+            last_val = evaluate(model, data_dir, cfg, di, autocast)
         summary = {"final_val_loss": last_val, "steps": steps, "tokens": steps * cfg.train.batch_size *
                    cfg.train.seq_len, "non_embedding_params": n_params, "scheme": scheme.name,
-                   "model": cfg.model.name}
+                   "model": cfg.model.name, "world_size": di.world_size}
         tracker.summary(summary)
         tracker.info(f"done: final validation loss {last_val:.4f} after {steps} steps ({run_dir})")
         return summary
+    except Preempted:
+        raise
     except BaseException:
         exit_code = 1
         raise
@@ -235,6 +283,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
+    except Preempted:
+        sys.exit(0)
     except (TrainingError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -194,21 +194,38 @@ class Llama(nn.Module):
         if not self.lm_head.weight.is_meta:
             self.init_weights()
 
+    def init_plan(self) -> dict[str, float | None]:
+        """SPEC §4 init of every parameter by name: the std of a zero-mean normal, or None for ones.
+
+        N(0, 0.02) for the embedding and all linears, N(0, 0.02/√(2·n_layer)) for ``attn.proj`` and
+        ``mlp.down`` (the residual output projections), ones for norm scales.
+        """
+        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
+        plan: dict[str, float | None] = {}
+        for name, _ in self.named_parameters():
+            if name.endswith("norm.weight"):
+                plan[name] = None
+            elif name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                plan[name] = residual_std
+            else:
+                plan[name] = INIT_STD
+        return plan
+
     @torch.no_grad()
     def init_weights(self) -> None:
-        """SPEC §4 init, in place: N(0, 0.02) for the embedding and all linears, N(0, 0.02/√(2·n_layer)) for
-        ``attn.proj`` and ``mlp.down``, ones for norm scales; then recompute the RoPE tables."""
-        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
-        nn.init.normal_(self.tok_emb.weight, std=INIT_STD)
-        nn.init.normal_(self.lm_head.weight, std=INIT_STD)
-        nn.init.ones_(self.norm.weight)
-        for block in self.blocks:
-            nn.init.ones_(block.attn_norm.weight)
-            nn.init.ones_(block.mlp_norm.weight)
-            nn.init.normal_(block.attn.qkv.weight, std=INIT_STD)
-            nn.init.normal_(block.mlp.up_gate.weight, std=INIT_STD)
-            nn.init.normal_(block.attn.proj.weight, std=residual_std)
-            nn.init.normal_(block.mlp.down.weight, std=residual_std)
+        """SPEC §4 init in place (see :meth:`init_plan`) from the global RNG, in parameter order;
+        then recompute the RoPE tables."""
+        plan = self.init_plan()
+        for name, p in self.named_parameters():
+            if plan[name] is None:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=plan[name])
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """(Re)compute the non-persistent RoPE tables on the model's device."""
         cos, sin = rope_tables(self.config.max_seq_len, self.config.head_dim, self.config.rope_theta,
                                self.rope_cos.device)
         self.rope_cos.copy_(cos)

@@ -135,3 +135,24 @@ class Tracker:
             self.wandb.finish(exit_code=exit_code)
         log.removeHandler(self._handler)
         self._handler.close()
+
+
+class NullTracker:
+    """What ranks other than 0 use: nothing is written or printed."""
+
+    run_id = None
+
+    def info(self, msg: str) -> None:
+        pass
+
+    def log(self, step: int, metrics: dict[str, Any], line: bool = True) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+    def summary(self, values: dict[str, Any]) -> None:
+        pass
+
+    def finish(self, exit_code: int = 0) -> None:
+        pass

@@ -1,0 +1,125 @@
+"""Parallelism applied outside the model, in a fixed order (torchtitan's layout).
+
+:func:`parallelize` takes a model built on the meta device (already converted by
+``quant.quantize_model``) and applies, in this order:
+
+1. activation checkpointing per block: ``none``, ``full`` (every block) or ``selective`` (every
+   ``ac_every``-th block);
+2. ``torch.compile`` per block;
+3. FSDP2 ``fully_shard`` per block, then on the root, with a mixed-precision policy (BF16
+   parameters, FP32 gradient reduction) when training in BF16. A 2-D mesh
+   ``(replicate, shard)`` gives HSDP: replicate across nodes, shard within a node.
+
+:func:`materialize` then allocates the (sharded) parameters on the device and initialises them
+with :func:`init_parameters`: each parameter is generated whole from its own seeded generator and
+each rank keeps its shard, so the values do not depend on the number of ranks and no rank ever
+holds the whole model.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from quant.randomness import derive_seed
+
+AC_MODES = ("none", "full", "selective")
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without the prefixes that checkpoint wrappers and compile insert."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> None:
+    """Wrap blocks in ``checkpoint_wrapper``: all of them (``full``) or every ``every``-th
+    (``selective``). Forward quantization is deterministic, so recomputation is exact."""
+    if mode not in AC_MODES:
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {AC_MODES}")
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.blocks):
+        if mode == "full" or i % every == 0:
+            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block separately (the blocks are identical, so one compilation serves all)."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, bf16_params: bool, reshard_after_forward: bool = True) -> None:
+    """FSDP2 on every block, then on the root (embedding, final norm, lm_head)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    *,
+    activation_checkpointing: str = "none",
+    ac_every: int = 2,
+    compile: bool = False,
+    bf16_params: bool = True,
+) -> nn.Module:
+    """Apply activation checkpointing, compile and FSDP2 in that order (see module docstring).
+
+    ``mesh=None`` (one process) skips FSDP.
+    """
+    apply_activation_checkpointing(model, activation_checkpointing, ac_every)
+    if compile:
+        apply_compile(model)
+    if mesh is not None:
+        apply_fsdp(model, mesh, bf16_params)
+    return model
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int) -> None:
+    """SPEC §4 init that is independent of sharding and wrapping.
+
+    Parameter ``name`` is drawn whole from a generator seeded with ``(seed, crc32(name))`` on the
+    parameter's device, using the model's ``init_plan`` (std, or None for ones); a sharded
+    (DTensor) parameter keeps its local shard.
+    """
+    plan = {canonical_name(k): v for k, v in model.init_plan().items()}
+    for name, p in model.named_parameters():
+        key = canonical_name(name)
+        std = plan[key]
+        device = p.device
+        full = torch.empty(p.shape, dtype=p.dtype, device=device)
+        if std is None:
+            full.fill_(1.0)
+        else:
+            g = torch.Generator(device=device)
+            g.manual_seed(derive_seed(seed, zlib.crc32(key.encode())))
+            full.normal_(0.0, std, generator=g)
+        if isinstance(p, DTensor):
+            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+        else:
+            p.copy_(full)
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """Allocate a meta-device (possibly sharded) model on ``device`` and initialise it."""
+    model.to_empty(device=device)
+    init_parameters(model, seed)
+    model.init_buffers()
+    for m in model.modules():
+        if getattr(m, "delayed_amax", None) is not None:
+            m.delayed_amax.zero_()
+    return model

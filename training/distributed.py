@@ -1,0 +1,113 @@
+"""Process-group set-up from torchrun's (or srun's) environment, and small collectives.
+
+One process per GPU (or CPU rank under gloo). ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` come from
+torchrun; under a bare ``srun`` they are derived from ``SLURM_NTASKS``/``SLURM_PROCID``/
+``SLURM_LOCALID``. The device mesh is 1-D (``shard``) for FSDP, or 2-D (``replicate``, ``shard``)
+for HSDP when ``replicate > 1``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_from_slurm() -> None:
+    """Fill torchrun's variables from Slurm's when a bare ``srun`` started us."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def init_distributed(device: str, replicate: int = 1, timeout_s: int = 1800) -> DistInfo:
+    """Initialise the process group (NCCL on GPUs, gloo on CPU) and the device mesh.
+
+    Args:
+        device: ``auto``, ``cpu`` or ``cuda``.
+        replicate: HSDP replica groups (e.g. the number of nodes); 1 means plain FSDP.
+    """
+    _env_from_slurm()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but no CUDA GPU is visible. Fix: device=cpu or device=auto.")
+    if world == 1:
+        return DistInfo(device=torch.device("cuda" if use_cuda else "cpu"))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    if world % replicate:
+        raise ValueError(f"world size {world} is not divisible by parallel.replicate={replicate}")
+    if replicate > 1:
+        mesh = init_device_mesh(dev.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("shard",))
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, mesh=mesh)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean of a scalar tensor over ranks (identity in one process)."""
+    if dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return value
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on any rank (a step boundary all ranks agree on)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
