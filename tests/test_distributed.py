@@ -1,0 +1,132 @@
+"""FSDP2 on 2 CPU ranks (gloo) against one process; exact resume after a kill; DCP checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from training.checkpoint import Checkpointer, is_complete
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMES = ["bf16", "nvidia", "four_over_six", "tetrajet_v2", "quartet2"]
+
+
+def _overrides(run_dir: Path, data_cache: Path, *extra: str) -> list[str]:
+    return [
+        f"run_dir={run_dir}", f"data.cache_dir={data_cache}", "device=cpu", "wandb.enabled=false",
+        "train.seq_len=128", "train.batch_size=8", "train.micro_batch_size=2", "train.eval_batch_size=4",
+        "train.eval_batches=2", "train.log_every=1", "train.eval_every=3", *extra,
+    ]
+
+
+def torchrun(tmp_path: Path, runs: list[dict], expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """Run ``runs`` (see tests/dist_driver.py) on 2 gloo ranks."""
+    spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
+    spec.write_text(json.dumps({"runs": runs}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "tests" / "dist_driver.py"), str(spec)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows}
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
+
+
+def test_fsdp2_matches_one_process_on_the_same_global_batch(tmp_path, compose_train, data_cache):
+    extra = ("quant=bf16", "precision=fp32", "train.steps=6")
+    single = tmp_path / "single"
+    torch.set_num_threads(1)
+    train.run(compose_train(_overrides(single, data_cache, *extra)))
+    torchrun(tmp_path, [{"overrides": _overrides(tmp_path / "fsdp", data_cache, *extra)}])
+    a, b = losses(single), losses(tmp_path / "fsdp")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    assert max(abs(a[s] - b[s]) for s in a) < 1e-5
+    va, vb = val_losses(single), val_losses(tmp_path / "fsdp")
+    assert va.keys() == vb.keys() and max(abs(va[s] - vb[s]) for s in va) < 1e-5
+    assert a[6] < a[1]  # it trains
+
+
+def test_fsdp2_runs_every_scheme_in_bf16(tmp_path, data_cache):
+    runs = [{"overrides": _overrides(tmp_path / s, data_cache, f"quant={s}", "precision=bf16", "train.steps=2")}
+            for s in SCHEMES]
+    torchrun(tmp_path, runs)
+    for s in SCHEMES:
+        summary = json.loads((tmp_path / s / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["scheme"] == s
+        assert all(map(lambda v: v == v and v < 20, losses(tmp_path / s).values()))
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "quartet2"])
+def test_kill_after_checkpoint_then_resume_is_exact(tmp_path, data_cache, scheme):
+    extra = (f"quant={scheme}", "precision=bf16", "train.steps=6", "train.ckpt_every=3")
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    torchrun(tmp_path, [{"overrides": _overrides(whole, data_cache, *extra)}])
+    crash = torchrun(tmp_path, [{"overrides": _overrides(killed, data_cache, *extra), "exit_after_checkpoint": 3}],
+                     expect_ok=False)
+    assert crash.returncode != 0
+    assert sorted(losses(killed)) == [1, 2, 3]
+    torchrun(tmp_path, [{"overrides": _overrides(killed, data_cache, *extra)}])
+    assert "resuming at step 3" in (killed / "train.log").read_text()
+    a, b = losses(whole), losses(killed)
+    assert [a[s] for s in range(4, 7)] == [b[s] for s in range(4, 7)]  # bit-identical, not approx
+    assert json.loads((whole / "summary.json").read_text())["final_val_loss"] == \
+        json.loads((killed / "summary.json").read_text())["final_val_loss"]
+
+
+def test_truncated_or_unfinished_checkpoint_is_ignored(tmp_path, compose_train, data_cache):
+    run_dir = tmp_path / "run"
+    extra = ("quant=bf16", "precision=fp32", "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=3")
+    train.run(compose_train(_overrides(run_dir, data_cache, *extra)))
+    ckpts = Checkpointer(run_dir / "checkpoints")
+    assert [s for s, _ in ckpts.all()] == [2, 4]
+    shard = next((run_dir / "checkpoints" / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated write
+    (run_dir / "checkpoints" / ".step_00000006.tmp").mkdir()  # an unfinished save
+    assert not is_complete(run_dir / "checkpoints" / "step_00000004")
+    assert ckpts.latest() == run_dir / "checkpoints" / "step_00000002"
+    train.run(compose_train(_overrides(run_dir, data_cache, *extra)))
+    assert "resuming at step 2" in (run_dir / "train.log").read_text()
+
+
+def test_resume_on_another_world_size_is_refused_unless_resharding(tmp_path, compose_train, data_cache):
+    run_dir = tmp_path / "run"
+    extra = ("quant=bf16", "precision=fp32", "train.steps=2", "train.ckpt_every=1")
+    torchrun(tmp_path, [{"overrides": _overrides(run_dir, data_cache, *extra)}])
+    longer = (*extra[:-2], "train.ckpt_every=1")
+    with pytest.raises(ValueError, match=r"different world_size.*Fix"):
+        train.run(compose_train(_overrides(run_dir, data_cache, *longer)))
+    # explicit reshard path: DCP loads 2-rank shards into one process
+    summary = train.run(compose_train(_overrides(run_dir, data_cache, *longer, "parallel.allow_reshard=true")))
+    assert summary["world_size"] == 1
+
+
+def test_export_consolidates_a_sharded_checkpoint(tmp_path, data_cache):
+    from model import build_model
+    from scripts.export_checkpoint import export
+
+    run_dir = tmp_path / "run"
+    torchrun(tmp_path, [{"overrides": _overrides(run_dir, data_cache, "quant=quartet2", "train.steps=2")}])
+    out = export(run_dir / "checkpoints" / "step_00000002", tmp_path / "model.pt")
+    blob = torch.load(out, weights_only=False)
+    model = build_model(blob["config"]["model"])
+    model.load_state_dict(blob["model"])
+    assert blob["step"] == 2 and blob["config"]["quant"]["name"] == "quartet2"
