@@ -54,18 +54,36 @@ def check_rotatable(n: int, h: int, what: str = "dimension") -> None:
         )
 
 
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """``x · H_h / √h`` on the last dim (size h) by the fast Walsh–Hadamard butterfly, in float32.
+
+    Stage ``s`` (span ``m = 2^s``) replaces each pair ``(a, b) = (x[j], x[j+m])`` by
+    ``(a + b, a − b)``; the log2(h) stages give ``x · H_h`` in Sylvester order, then one multiply
+    by the float32 constant ``1/√h``. Every operation is fixed, so a kernel that performs the same
+    butterfly reproduces it bit for bit (a matrix product's summation order is not specified).
+    """
+    h = x.shape[-1]
+    y = x.float()
+    m = 1
+    while m < h:
+        pairs = y.reshape(*y.shape[:-1], h // (2 * m), 2, m)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).reshape(y.shape)
+        m *= 2
+    return y * torch.tensor(1.0 / math.sqrt(h), dtype=torch.float32)
+
+
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``(x ⊙ σ) · H_h / √h`` on chunks of ``h = len(signs)`` along the last dim (float32)."""
     h = signs.numel()
+    check_rotation_size(h)
     check_rotatable(x.shape[-1], h, "the rotated (last) dimension")
-    H = hadamard_matrix(h, x.device)
     chunks = x.float().reshape(*x.shape[:-1], -1, h) * signs
-    return (chunks @ H).reshape(x.shape)
+    return fwht(chunks).reshape(x.shape)
 
 
 def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`rotate`: ``(y · H_h / √h) ⊙ σ`` (the normalised H is its own inverse)."""
     h = signs.numel()
-    H = hadamard_matrix(h, y.device)
-    chunks = y.float().reshape(*y.shape[:-1], -1, h) @ H
+    chunks = fwht(y.float().reshape(*y.shape[:-1], -1, h))
     return (chunks * signs).reshape(y.shape)

@@ -1,0 +1,106 @@
+"""Time full training steps (forward, backward, AdamW) of a model preset under several schemes.
+
+    python scripts/bench_step.py --model 1.9b --schemes bf16 quartet2 --ac none full
+    python scripts/bench_step.py --model 100m --batch 32 --seq 512 --compile
+
+One process, one device. The model is built on meta, converted with ``quant.quantize_model``,
+parallelized (activation checkpointing, compile) and materialized exactly as train.py does, and
+trained on random tokens under BF16 autocast. Prints a markdown table: median step time,
+tokens/s, MFU against the measured or given BF16 peak, peak memory, and the ratio to the first
+scheme with the same settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import quant  # noqa: E402
+from model import build_model  # noqa: E402
+from model.parallel import materialize, parallelize  # noqa: E402
+from training.metrics import bf16_peak_flops  # noqa: E402
+from training.optim import build_adamw  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.device) -> dict:
+    cfg = yaml.safe_load((REPO / "configs" / "model" / f"{args.model}.yaml").read_text())
+    cfg["max_seq_len"] = max(cfg["max_seq_len"], args.seq)
+    model = build_model(cfg, device="meta")
+    quant.quantize_model(model, scheme)
+    flops_per_token = model.flops_per_token(args.seq)
+    parallelize(model, None, activation_checkpointing=ac, compile=args.compile)
+    materialize(model, device, seed=0)
+    opt = build_adamw(model, 1e-4, (0.9, 0.95), 0.1)
+    g = torch.Generator(device=device).manual_seed(0)
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(args.warmup + args.steps):
+        x = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq + 1), device=device, generator=g)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        quant.set_quant_step(i)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    med = statistics.median(times)
+    tokens = args.batch * args.seq
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"ms": med * 1e3, "tps": tokens / med, "flops": flops_per_token * tokens / med, "mem": peak_mem,
+            "loss": loss.item()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="a configs/model preset")
+    p.add_argument("--schemes", nargs="+", default=["bf16", "quartet2"])
+    p.add_argument("--ac", nargs="+", default=["none"], help="activation checkpointing modes to time")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--peak-flops", type=float, default=None, help="BF16 peak FLOP/s for MFU")
+    a = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = bf16_peak_flops(device, a.peak_flops)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}, model {a.model}, {a.batch}×{a.seq} tokens/step, "
+          f"compile={a.compile}, {a.steps} timed steps after {a.warmup} warm-up\n")
+    rows = ["| scheme | activation ckpt | step (ms) | tokens/s | MFU vs BF16 peak | peak mem (GiB) | × first scheme |",
+            "|---|---|---|---|---|---|---|"]
+    for ac in a.ac:
+        base = None
+        for scheme in a.schemes:
+            r = step_times(a, scheme, ac, device)
+            base = base or r["ms"]
+            mfu = f"{r['flops'] / peak:.1%}" if peak else "n/a"
+            rows.append(f"| {scheme} | {ac} | {r['ms']:.1f} | {r['tps']:.0f} | {mfu} | {r['mem']:.1f} | "
+                        f"{r['ms'] / base:.2f} |")
+            print(rows[-1], flush=True)
+    print("\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
