@@ -2,8 +2,13 @@
 
     python scripts/bench_step.py --model 1.9b --schemes bf16 quartet2 --ac none full
     python scripts/bench_step.py --model 100m --batch 32 --seq 512 --compile
+    torchrun --nproc_per_node 8 scripts/bench_step.py --model 1.9b --fsdp --batch 16
 
-One process, one device. The model is built on meta, converted with ``quant.quantize_model``,
+One device per process. With ``--fsdp`` the model is sharded with FSDP2 over all ranks (also on
+one rank, for a like-for-like baseline) and ``--batch`` is per GPU, so tokens/s per GPU against the
+one-GPU run gives the scaling efficiency.
+
+The model is built on meta, converted with ``quant.quantize_model``,
 parallelized (activation checkpointing, compile) and materialized exactly as train.py does, and
 trained on random tokens under BF16 autocast. Prints a markdown table: median step time,
 tokens/s, MFU against the measured or given BF16 peak, peak memory, and the ratio to the first
@@ -13,6 +18,7 @@ scheme with the same settings. Needs only torch and PyYAML (no Hydra), so it run
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -32,13 +38,13 @@ from training.optim import build_adamw  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.device) -> dict:
+def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.device, mesh=None) -> dict:
     cfg = yaml.safe_load((REPO / "configs" / "model" / f"{args.model}.yaml").read_text())
     cfg["max_seq_len"] = max(cfg["max_seq_len"], args.seq)
     model = build_model(cfg, device="meta")
     quant.quantize_model(model, scheme)
     flops_per_token = model.flops_per_token(args.seq)
-    parallelize(model, None, activation_checkpointing=ac, compile=args.compile)
+    parallelize(model, mesh, activation_checkpointing=ac, compile=args.compile)
     materialize(model, device, seed=0)
     opt = build_adamw(model, 1e-4, (0.9, 0.95), 0.1)
     g = torch.Generator(device=device).manual_seed(0)
@@ -82,24 +88,45 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--peak-flops", type=float, default=None, help="BF16 peak FLOP/s for MFU")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 over all ranks (torchrun)")
     a = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mesh, world = None, 1
+    if a.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from training.distributed import init_distributed
+
+        os.environ.setdefault("WORLD_SIZE", "1")
+        di = init_distributed("auto")
+        world = di.world_size
+        if di.mesh is None:  # one rank: a mesh of one, so the code path matches N ranks
+            import torch.distributed as dist
+
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29533")
+            dist.init_process_group("nccl" if di.device.type == "cuda" else "gloo", rank=0, world_size=1)
+            di.mesh = init_device_mesh(di.device.type, (1,), mesh_dim_names=("shard",))
+        mesh, device = di.mesh, di.device
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = bf16_peak_flops(device, a.peak_flops)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}, model {a.model}, {a.batch}×{a.seq} tokens/step, "
+    print(f"{name} ×{world}, torch {torch.__version__}, model {a.model}, {a.batch}×{a.seq} tokens/step/GPU, "
           f"compile={a.compile}, {a.steps} timed steps after {a.warmup} warm-up\n")
-    rows = ["| scheme | activation ckpt | step (ms) | tokens/s | MFU vs BF16 peak | peak mem (GiB) | × first scheme |",
+    rows = ["| scheme | activation ckpt | step (ms) | tokens/s/GPU | MFU vs BF16 peak | peak mem (GiB) | × first scheme |",
             "|---|---|---|---|---|---|---|"]
     for ac in a.ac:
         base = None
         for scheme in a.schemes:
-            r = step_times(a, scheme, ac, device)
+            r = step_times(a, scheme, ac, device, mesh)
             base = base or r["ms"]
             mfu = f"{r['flops'] / peak:.1%}" if peak else "n/a"
             rows.append(f"| {scheme} | {ac} | {r['ms']:.1f} | {r['tps']:.0f} | {mfu} | {r['mem']:.1f} | "
                         f"{r['ms'] / base:.2f} |")
-            print(rows[-1], flush=True)
-    print("\n" + "\n".join(rows))
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(rows[-1], flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("\n" + "\n".join(rows))
 
 
 if __name__ == "__main__":
