@@ -161,7 +161,6 @@ def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
     fingerprint = config_fingerprint({**resolved, "world_size": di.world_size})
     checkpoints = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
                                async_save=cfg.train.async_checkpoint, is_main=main_rank)
-    preemption = PreemptionWatcher(run_dir)
     start, run_id, last_val = 0, None, None
     latest = checkpoints.latest() if cfg.resume else None
     if latest is not None:
@@ -175,8 +174,6 @@ def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
         torch.set_rng_state(extra["torch_rng"])
         start, run_id, last_val = extra["step"], extra["wandb_run_id"], extra.get("val_loss")
     barrier()
-    if main_rank:
-        preemption.clear()
 
     tracker = (Tracker(run_dir, resolved, cfg.run_name, cfg.run_group, OmegaConf.to_container(cfg.wandb),
                        run_id, steps, start) if main_rank else NullTracker())
@@ -199,6 +196,9 @@ def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
     model.train()
     t0, tokens_since = time.perf_counter(), 0
     exit_code = 0
+    preemption = PreemptionWatcher(run_dir)
+    if main_rank:
+        preemption.clear()
     try:
         for step in range(start, steps):
             if any_rank(preemption.requested(), device):
@@ -226,7 +226,7 @@ def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
             if not math.isfinite(train_loss):
                 good = checkpoints.latest()
                 raise TrainingError(
-                    f"the training loss is {train_loss} at step {step}. The run stopped without "
+                    f"the training loss is {train_loss} at step {step + 1}. The run stopped without "
                     f"saving; the last good checkpoint is {good or 'none (no checkpoint yet)'}. "
                     f"Fix: lower optim.lr, check the data, or try quant=bf16 to see whether the "
                     f"quantization scheme is at fault; the run resumes from that checkpoint."
@@ -276,6 +276,7 @@ def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
         exit_code = 1
         raise
     finally:
+        preemption.close()
         tracker.finish(exit_code)
 
 

@@ -25,8 +25,11 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 _NAME = re.compile(r"^step_(\d{8})$")
 
-FINGERPRINT_KEYS = ("model", "quant", "train.seq_len", "train.batch_size", "seed", "world_size")
-"""Config entries a checkpoint must agree with to be resumed."""
+FINGERPRINT_KEYS = ("model", "quant", "optim", "train.seq_len", "train.batch_size", "train.steps",
+                    "train.tokens_per_param", "seed", "world_size")
+"""Config entries a checkpoint must agree with to be resumed: the model, the scheme, everything
+that fixes the learning-rate schedule and the data order, and the world size (see
+``parallel.allow_reshard``)."""
 
 
 def _select(cfg: dict, dotted: str) -> Any:

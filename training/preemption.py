@@ -20,9 +20,10 @@ class PreemptionWatcher:
     def __init__(self, run_dir: Path, signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGTERM)) -> None:
         self.run_dir = Path(run_dir)
         self._signalled = False
+        self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in signals:
-                signal.signal(sig, self._handle)
+                self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self._signalled = True
@@ -34,6 +35,12 @@ class PreemptionWatcher:
         """Forget an old request (called by rank 0 when a run starts or resumes)."""
         for name in (STOP_FILE, REQUEUE_FILE):
             (self.run_dir / name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Restore the signal handlers that were in place before."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def mark_requeue(self) -> None:
         (self.run_dir / REQUEUE_FILE).write_text("checkpointed on a stop request; requeue to resume\n")

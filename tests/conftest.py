@@ -1,0 +1,48 @@
+"""Shared fixtures of the trainer tests: W&B kept offline and quiet, the sample dataset prepared
+once per session in a temporary cache, and in-process composition of configs/train.yaml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _wandb_offline(tmp_path_factory: pytest.TempPathFactory):
+    """No test talks to W&B's servers or writes W&B files outside the test's temporary dirs."""
+    home = tmp_path_factory.mktemp("wandb-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        mp.setenv("WANDB_CONFIG_DIR", str(home / "config"))
+        mp.setenv("WANDB_CACHE_DIR", str(home / "cache"))
+        mp.setenv("WANDB_DATA_DIR", str(home / "data"))
+        yield
+
+
+@pytest.fixture(scope="session")
+def compose_train() -> Callable[[Iterable[str]], DictConfig]:
+    """``compose_train(overrides)``: configs/train.yaml composed as ``python train.py`` would."""
+
+    def _compose(overrides: Iterable[str] = ()) -> DictConfig:
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            return compose("train", overrides=list(overrides), return_hydra_config=False)
+
+    return _compose
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory, compose_train) -> Path:
+    """A data cache dir holding the prepared default (sample) dataset; pass it as
+    ``data.cache_dir=...`` so that runs reuse it instead of touching data/cache."""
+    from data.prepare import prepare_from_config
+
+    cache = tmp_path_factory.mktemp("nfp4-data-cache")
+    prepare_from_config(compose_train([f"data.cache_dir={cache}"]).data)
+    return cache
