@@ -110,7 +110,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
+    """Watch for stop requests from the very start (a stale request of an earlier job is
+    cleared), then train."""
     run_dir = Path(cfg.run_dir or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    preemption = PreemptionWatcher(run_dir)
+    if di.is_main:
+        preemption.clear()
+    try:
+        return _train_run(cfg, di, run_dir, preemption)
+    finally:
+        preemption.close()
+
+
+def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, preemption: PreemptionWatcher) -> dict[str, Any]:
     device, main_rank = di.device, di.is_main
     autocast = cfg.precision == "bf16"
     torch.manual_seed(cfg.seed)
@@ -196,9 +208,6 @@ def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
     model.train()
     t0, tokens_since = time.perf_counter(), 0
     exit_code = 0
-    preemption = PreemptionWatcher(run_dir)
-    if main_rank:
-        preemption.clear()
     try:
         for step in range(start, steps):
             if any_rank(preemption.requested(), device):
@@ -276,7 +285,6 @@ def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
         exit_code = 1
         raise
     finally:
-        preemption.close()
         tracker.finish(exit_code)
 
 
