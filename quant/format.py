@@ -104,9 +104,18 @@ def e4m3_neighbours(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tensor_scale(amax: torch.Tensor, target: float) -> torch.Tensor:
-    """FP32 tensor scale ``s_t = amax / target`` (SPEC §2); 1 for an all-zero tensor."""
+    """FP32 tensor scale ``s_t = amax / target`` (SPEC §2); 1 for an all-zero tensor.
+
+    The divisor is a float32 tensor: CUDA turns division by a Python float into a multiplication
+    by its reciprocal, which can differ from true division in the last bit.
+    """
     amax = amax.float()
-    return torch.where(amax > 0, amax / target, torch.ones_like(amax))
+    return torch.where(amax > 0, amax / fp32(target, amax.device), torch.ones_like(amax))
+
+
+def fp32(value: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """``value`` as a 0-dim float32 tensor, so that ``x / fp32(c)`` is a true division on any device."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 def check_groupable(n: int, what: str = "dimension", group: int = GROUP) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import randomness
+from . import backend, randomness
 from .format import GROUP, NVFP4Tensor, PackedNVFP4
 from .hadamard import random_signs, rotate
 from .quantizers import amax_of, quantize_ms_eden, quantize_rtn, quantize_rtn_2d, quantize_sr
@@ -74,10 +74,20 @@ def _quantize(
     rotation: int | None,
     delayed: torch.Tensor | None,
     slot: int,
+    pack: bool = False,
 ) -> tuple[_Factor, NVFP4Tensor | None]:
-    """Rotate (if ``signs``) and quantize one operand along its last dim."""
+    """Rotate (if ``signs``) and quantize one operand along its last dim.
+
+    On the Triton backend (:mod:`quant.backend`) the fused kernels do it (same draws order; the
+    packed form is produced in the same pass when ``pack``)."""
     if op.quantizer == "none" and signs is None:
         return src, None
+    family = ("eden" if op.quantizer == "ms_eden" else "rht" if signs is not None
+              else "sr" if op.quantizer == "sr" else "rtn")
+    if type(src) is not _Factor or backend.use_triton(src.values, family):
+        from .kernels.dispatch import quantize_factor
+
+        return quantize_factor(src, op, signs, gen, rotation, delayed, slot, pack)
     x = src.dense()
     if signs is not None:
         x = rotate(x, signs)
@@ -122,9 +132,20 @@ def quantized_gemm(
     """
     gen = randomness.generator(layer, role, a.values.device) if gemm.stochastic else None
     signs = random_signs(gemm.rotation, gen, a.values.device) if gemm.rotation else None
-    fa, qa = _quantize(a, gemm.a, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "a"])
-    fb, qb = _quantize(b, gemm.b, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "b"])
+    pack = role == "forward"  # the forward's quantized operands are what the layer may save
+    fa, qa = _quantize(a, gemm.a, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "a"], pack)
+    fb, qb = _quantize(b, gemm.b, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "b"], pack)
     return _product(fa, fb, dtype), qa, qb
+
+
+def _saved_factor(p: PackedNVFP4) -> _Factor:
+    """A saved packed operand as a factor: unpacked by the reference, or read packed by the
+    kernels (:class:`quant.kernels.dispatch.PackedFactor`)."""
+    if backend.use_triton(p.data, "packed"):
+        from .kernels.dispatch import saved_factor
+
+        return saved_factor(p)
+    return _Factor.of(p.unpack())
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -168,11 +189,11 @@ class QuantizedLinearFunction(torch.autograd.Function):
         scheme: Scheme = ctx.scheme
         x2, weight, *flat = ctx.saved_tensors
         packed = {
-            k: PackedNVFP4(*flat[3 * i: 3 * i + 3], *meta).unpack()
+            k: PackedNVFP4(*flat[3 * i: 3 * i + 3], *meta)
             for i, (k, meta) in enumerate(ctx.packed_meta.items())
         }
-        x_src = _Factor.of(packed["x"]) if "x" in packed else _Factor(x2)
-        w_src = _Factor.of(packed["w"]) if "w" in packed else _Factor(weight)
+        x_src = _saved_factor(packed["x"]) if "x" in packed else _Factor(x2)
+        w_src = _saved_factor(packed["w"]) if "w" in packed else _Factor(weight)
         e = grad_out.reshape(-1, grad_out.shape[-1])
         dx = dw = None
         with torch.autocast(grad_out.device.type, enabled=False):

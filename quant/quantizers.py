@@ -27,6 +27,7 @@ from .format import (
     check_groupable,
     e4m3_block_scale,
     e4m3_neighbours,
+    fp32,
     round_e2m1,
     tensor_scale,
     to_groups,
@@ -92,17 +93,17 @@ def _quantize_groups(
 
     With ``four_over_six`` (SPEC §2, 4/6 row) a second candidate maps the group amax to 4
     (scale ``e4m3(1.5 · raw)``); the candidate with the smaller squared error in the original
-    domain is kept, ties going to 6.
+    domain is kept, ties going to 6. The squared errors are summed by :func:`tree_sum`.
     """
-    raw = xg.abs().amax(-1, keepdim=True) / target / s_t
+    raw = xg.abs().amax(-1, keepdim=True) / fp32(target, xg.device) / s_t
     s6 = e4m3_block_scale(raw)
     q6 = rounding(xg / (s6 * s_t))
     if not four_over_six:
         return q6, s6
     s4 = e4m3_block_scale(raw * 1.5)
     q4 = rounding(xg / (s4 * s_t))
-    err6 = ((q6 * s6 * s_t - xg) ** 2).sum(-1, keepdim=True)
-    err4 = ((q4 * s4 * s_t - xg) ** 2).sum(-1, keepdim=True)
+    err6 = tree_sum((q6 * s6 * s_t - xg) ** 2)
+    err4 = tree_sum((q4 * s4 * s_t - xg) ** 2)
     use4 = err4 < err6
     return torch.where(use4, q4, q6), torch.where(use4, s4, s6)
 
@@ -211,7 +212,7 @@ def quantize_ms_eden(
     if chunk % GROUP or xg.shape[-2] % (chunk // GROUP):
         raise ValueError(f"MS-EDEN chunk {chunk} must be a multiple of 16 dividing dimension {dim}")
     s_t = tensor_scale(amax_of(x_rot, amax), EDEN_SCALE_MAX * EDEN_TARGET)
-    raw = xg.abs().amax(-1, keepdim=True) / EDEN_TARGET / s_t
+    raw = xg.abs().amax(-1, keepdim=True) / fp32(EDEN_TARGET, xg.device) / s_t
     s_b = e4m3_block_scale(raw)
     x_s = xg / (s_b * s_t)
     q = round_e2m1(x_s)

@@ -111,11 +111,11 @@ def test_resume_on_another_world_size_is_refused_unless_resharding(tmp_path, com
     run_dir = tmp_path / "run"
     extra = ("quant=bf16", "precision=fp32", "train.steps=2", "train.ckpt_every=1")
     torchrun(tmp_path, [{"overrides": _overrides(run_dir, data_cache, *extra)}])
-    longer = (*extra[:-2], "train.ckpt_every=1")
-    with pytest.raises(ValueError, match=r"different world_size.*Fix"):
-        train.run(compose_train(_overrides(run_dir, data_cache, *longer)))
-    # explicit reshard path: DCP loads 2-rank shards into one process
-    summary = train.run(compose_train(_overrides(run_dir, data_cache, *longer, "parallel.allow_reshard=true")))
+    with pytest.raises(ValueError, match=r"different world_size than this run.*Fix"):
+        train.run(compose_train(_overrides(run_dir, data_cache, *extra)))
+    # explicit reshard path: DCP loads the 2-rank shards into one process
+    summary = train.run(compose_train(_overrides(run_dir, data_cache, *extra, "parallel.allow_reshard=true")))
+    assert "resuming at step 2" in (run_dir / "train.log").read_text()
     assert summary["world_size"] == 1
 
 

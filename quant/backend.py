@@ -1,0 +1,121 @@
+"""Backend choice of the quantizers: the pure-PyTorch reference or the fused Triton kernels.
+
+``auto`` (default) runs the kernels on CUDA tensors and the reference everywhere else;
+``reference`` and ``triton`` force one (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``
+set before :mod:`quant.kernels` is first imported). Set it with :func:`set_backend` or the
+environment variable ``NVFP4_BACKEND``.
+
+Random draws of the kernel path (``NVFP4_DRAWS`` / :func:`set_draws`):
+
+* ``philox`` (default): one int64 seed per stochastic operand is drawn from the layer's
+  ``quant.randomness`` generator (after the rotation signs, A before B, as the reference draws
+  its uniforms) and the kernels draw ``tl.rand(seed, offset)``; still a pure function of
+  (seed, step, micro-step, layer, role, rank), but a different stream from the reference.
+* ``torch``: the kernels get the very uniform tensors the reference draws
+  (``torch.rand(..., generator=gen)``), so the Triton path is bit-identical to the reference
+  path end to end (tests); slower, as it materialises one FP32 draw per element.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+BACKENDS = ("auto", "reference", "triton")
+DRAWS = ("philox", "torch")
+
+_backend: str | None = None
+_draws: str | None = None
+_triton_ok: bool | None = None
+
+
+def set_backend(name: str | None) -> None:
+    """``"auto"``, ``"reference"`` or ``"triton"``; ``None`` goes back to ``NVFP4_BACKEND``/auto."""
+    global _backend
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown quantizer backend {name!r}; choose one of {BACKENDS}")
+    _backend = name
+
+
+def get_backend() -> str:
+    name = _backend if _backend is not None else os.environ.get("NVFP4_BACKEND", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"NVFP4_BACKEND={name!r} is not one of {BACKENDS}")
+    return name
+
+
+def set_draws(name: str | None) -> None:
+    """``"philox"`` or ``"torch"`` (see the module docstring); ``None``: ``NVFP4_DRAWS``/philox."""
+    global _draws
+    if name is not None and name not in DRAWS:
+        raise ValueError(f"unknown draw mode {name!r}; choose one of {DRAWS}")
+    _draws = name
+
+
+def get_draws() -> str:
+    name = _draws if _draws is not None else os.environ.get("NVFP4_DRAWS", "philox")
+    if name not in DRAWS:
+        raise ValueError(f"NVFP4_DRAWS={name!r} is not one of {DRAWS}")
+    return name
+
+
+@contextmanager
+def use_backend(name: str, draws: str | None = None) -> Iterator[None]:
+    """Temporarily force a backend (and draw mode)."""
+    old = (_backend, _draws)
+    set_backend(name)
+    if draws is not None:
+        set_draws(draws)
+    try:
+        yield
+    finally:
+        set_backend(old[0])
+        set_draws(old[1])
+
+
+def triton_available() -> bool:
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            import triton  # noqa: F401
+
+            _triton_ok = True
+        except ImportError:
+            _triton_ok = False
+    return _triton_ok
+
+
+FAMILIES = ("rtn", "sr", "rht", "eden", "packed")
+AUTO_FAMILIES_DEFAULT = ("rtn", "sr", "rht")
+"""Kernel families that ``auto`` runs on CUDA: those verified bit-exact on the H200
+(docs/performance.md): ``rtn`` (RTN 1×16 / 16×16, ±4/6), ``sr`` and ``rht`` (Hadamard rotation
+followed by RTN or SR). ``eden`` (rotation + MS-EDEN) passes every interpreter test but gives
+wrong scales on the H200 (triton 3.6), and ``packed`` (quantizing straight from a saved packed
+operand) is verified on the GPU only for the plain unpack; ``auto`` keeps the reference for
+those two. Override with e.g. ``NVFP4_AUTO_KERNELS=rtn,sr,rht,eden,packed``; ``NVFP4_BACKEND=
+triton`` runs every family."""
+
+
+def auto_families() -> tuple[str, ...]:
+    env = os.environ.get("NVFP4_AUTO_KERNELS")
+    if env is None:
+        return AUTO_FAMILIES_DEFAULT
+    fams = tuple(f.strip() for f in env.split(",") if f.strip())
+    bad = [f for f in fams if f not in FAMILIES]
+    if bad:
+        raise ValueError(f"NVFP4_AUTO_KERNELS: unknown kernel families {bad}; choose from {FAMILIES}")
+    return fams
+
+
+def use_triton(t: torch.Tensor, family: str | None = None) -> bool:
+    """Whether the quantization of ``t`` runs on the Triton kernels (``family``: which kernel
+    family would run it, see :data:`FAMILIES`; ``auto`` only uses :func:`auto_families`)."""
+    name = get_backend()
+    if name == "reference":
+        return False
+    if name == "triton":
+        return True
+    return t.is_cuda and triton_available() and (family is None or family in auto_families())

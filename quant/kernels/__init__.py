@@ -1,0 +1,25 @@
+"""Fused Triton kernels of the NVFP4 quantizers (issue #5), bit-exact with :mod:`quant.quantizers`.
+
+Importing this package imports triton and registers the ``nvfp4::`` custom ops. Under
+``TRITON_INTERPRET=1`` (set before the import) the kernels run on CPU tensors, with the
+interpreter's fp8/bf16 conversion bugs patched (:mod:`quant.kernels.interpreter`).
+
+Public API (all ops take a 2-D ``x``; ``transpose=True`` quantizes ``xᵀ``, i.e. along columns):
+``rtn``, ``rtn_2d``, ``sr``, ``rht_ms_eden``, ``rht_sr``, ``rht_rtn``, the generic
+``quantize_operand``, ``amax``, ``unpack`` and ``philox_uniforms``; :mod:`.dispatch` connects them
+to :class:`quant.linear.QuantizedLinearFunction`.
+"""
+
+from .ops import (  # noqa: F401
+    amax,
+    philox_uniforms,
+    quantize_operand,
+    rht_ms_eden,
+    rht_rtn,
+    rht_sr,
+    rtn,
+    rtn_2d,
+    set_block_config,
+    sr,
+    unpack,
+)

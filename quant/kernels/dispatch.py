@@ -1,0 +1,101 @@
+"""Glue between :mod:`quant.linear` and the kernels: operand quantization and saved operands.
+
+:func:`quantize_factor` is the Triton twin of ``quant.linear._quantize``: same operand, same
+quantizer, same draw order from the (layer, role) generator (rotation signs are drawn by the
+caller; then A's draws, then B's), same delayed-amax bookkeeping. Its output values are the BF16
+``q · s_block`` (the reference's FP32 values, which are exact in BF16) with the FP32 tensor scale.
+
+:class:`PackedFactor` stands for an operand the forward saved in packed NVFP4 form: the kernels
+read its 4.5-bit codes directly (no BF16/FP32 unpacked copy), and it is unpacked (one light
+kernel) only where a GEMM consumes it without re-quantization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backend
+from ..format import GROUP, PackedNVFP4
+from . import ops
+
+
+class PackedFactor:
+    """A saved :class:`PackedNVFP4` used as a GEMM factor ``values · scale`` (duck-types
+    ``quant.linear._Factor``); ``transposed`` means the factor is the packed tensor's transpose."""
+
+    def __init__(self, packed: PackedNVFP4, transposed: bool = False) -> None:
+        self.packed, self.transposed = packed, transposed
+        self.scale = packed.tensor_scale
+        self._values: torch.Tensor | None = None
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self._values is None:
+            v = ops.unpack(self.packed.data, self.packed.scales, self.packed.tile == "16x16")
+            self._values = v.t() if self.transposed else v
+        return self._values
+
+    def dense(self) -> torch.Tensor:
+        return self.values.float() * self.scale
+
+    @property
+    def T(self) -> "PackedFactor":
+        return PackedFactor(self.packed, not self.transposed)
+
+
+class KernelQuantized:
+    """The kernel's packed output, offering ``pack()`` like an ``NVFP4Tensor``."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
+                 tile: str) -> None:
+        self._packed = PackedNVFP4(codes, scales, tensor_scale, -1, tile)
+
+    def pack(self) -> PackedNVFP4:
+        return self._packed
+
+
+def saved_factor(packed: PackedNVFP4):
+    """The factor of a saved packed operand: a :class:`PackedFactor` on the kernel path."""
+    return PackedFactor(packed)
+
+
+def quantize_factor(src, op, signs, gen, rotation, delayed, slot: int, pack: bool):
+    """Rotate (if ``signs``) and quantize one operand along its last dim with the kernels.
+
+    Returns ``(factor, quantized)`` like ``quant.linear._quantize``; ``quantized`` offers
+    ``pack()`` when ``pack`` is set, else is None.
+    """
+    from ..hadamard import rotate
+    from ..linear import _Factor
+
+    if op.quantizer == "none":  # rotation without quantization: not a preset; use the reference
+        return _Factor(rotate(src.dense(), signs)), None
+    if isinstance(src, PackedFactor):
+        p = src.packed
+        x, x_scales = p.data, p.scales.view(torch.uint8)
+        kind = ops.SRC_PACKED_2D if p.tile == "16x16" else ops.SRC_PACKED
+        transpose, in_scale = src.transposed, p.tensor_scale.float()
+        M, K = (p.data.shape[1] * 2, p.data.shape[0]) if transpose else (p.data.shape[0], p.data.shape[1] * 2)
+    else:
+        x, x_scales, kind, transpose = src.values, None, ops.SRC_DENSE, False
+        in_scale = None if src.scale is None else src.scale.float()
+        M, K = x.shape
+    device = x.device
+    uniforms = seed = None
+    if op.quantizer in ("sr", "ms_eden"):
+        shape = (M, K) if op.quantizer == "sr" else (M, K // GROUP)
+        if backend.get_draws() == "torch":
+            uniforms = torch.rand(shape, generator=gen, device=device)
+        else:
+            seed = torch.randint(0, 2**62, (1,), generator=gen, device=device, dtype=torch.int64)
+    prev = None if delayed is None else delayed[slot].clone()
+    # Eager calls skip the custom-op dispatcher (its overhead is per call); compiled graphs need
+    # the op, which torch.compile sees as opaque through its fake implementation.
+    fn = ops.quantize_operand if torch.compiler.is_compiling() else ops._quantize_impl
+    values, codes, scales, st, current = fn(
+        x, x_scales, kind, transpose, in_scale, signs, prev, uniforms, seed, op.quantizer,
+        op.four_over_six, True, pack)
+    if delayed is not None:
+        delayed[slot] = current
+    q = KernelQuantized(codes, scales, st, "16x16" if op.quantizer == "rtn_2d" else "1x16") if pack else None
+    return _Factor(values, st), q

@@ -1,0 +1,349 @@
+"""Launchers of the Triton quantizers, registered as ``torch.library`` custom ops (``nvfp4::``).
+
+Each op has a fake (meta) implementation, so the ops are opaque to ``torch.compile`` and work
+under it. All ops quantize a *logical* 2-D operand ``A`` along its last dim (the reduction dim):
+``A = x`` or, with ``transpose=True``, ``A = xᵀ`` (no transpose copy is made: the kernels read
+through strides). Outputs, in the layout of ``A`` (``M × K``):
+
+* ``values``: BF16 ``q · s_block`` (exact), the GEMM-ready operand;
+* ``codes``: uint8 ``M × K/2``, element ``2i`` in the low nibble (``NVFP4Tensor.pack`` layout);
+* ``scales``: ``float8_e4m3fn`` block scales, ``M × K/16`` (``M/16 × K/16`` for 16×16 tiles);
+* ``tensor_scale``: FP32 0-dim; ``amax``: FP32 0-dim, the current ``max |A|`` (after rotation),
+  which delayed-amax callers store for the next call.
+
+``amax`` (optional input) is the delayed amax of the previous call: it is used when positive,
+else the current amax is (as ``quant.linear._amax``). Stochastic quantizers take either explicit
+``uniforms`` (SR: shape of ``A``; MS-EDEN: ``M × K/16``) or a ``seed`` (int64 tensor of one
+element; Philox draws, see :mod:`quant.kernels.triton_kernels`). :func:`philox_uniforms`
+returns exactly the draws the seeded path uses.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+import triton
+from torch import Tensor
+
+from ..format import E2M1_MAX, E4M3_MAX, GROUP
+from ..quantizers import EDEN_SCALE_MAX, EDEN_TARGET, FOUR_OVER_SIX_SCALE_MAX, SR_TARGET
+from . import triton_kernels as K
+from .interpreter import interpreting, patch_interpreter
+
+_INTERPRET = interpreting()
+"""Whether the kernels were decorated for triton's CPU interpreter (decided at import)."""
+if _INTERPRET:
+    patch_interpreter()
+
+# Source kinds of an operand.
+SRC_DENSE, SRC_PACKED, SRC_PACKED_2D = 0, 1, 2
+
+# Tile shape and warps: (BM, BK, num_warps). BK must be a multiple of 128 (rotation chunk) and
+# BM of 16. The interpreter runs ~8 ms per program instance, so it gets large tiles.
+_CONFIG = {"gpu": (32, 128, 4), "interpret": (128, 256, 4)}
+
+
+def set_block_config(bm: int, bk: int, num_warps: int) -> None:
+    """Override the GPU tile shape (benchmark sweeps)."""
+    if bk % 128 or bm % 16:
+        raise ValueError("BK must be a multiple of 128 and BM of 16")
+    _CONFIG["gpu"] = (bm, bk, num_warps)
+
+
+def _config() -> tuple[int, int, int]:
+    return _CONFIG["interpret" if _INTERPRET else "gpu"]
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to FP32 (as torch rounds a Python float divisor of an FP32 tensor)."""
+    return float(np.float32(v))
+
+
+def _targets(mode: str, four_over_six: bool) -> tuple[float, float]:
+    """(tensor target, block target) of a quantizer, as in :mod:`quant.quantizers`."""
+    scale_max = FOUR_OVER_SIX_SCALE_MAX if four_over_six else E4M3_MAX
+    if mode in ("rtn", "rtn_2d"):
+        return _f32(E2M1_MAX * scale_max), _f32(E2M1_MAX)
+    if mode == "sr":
+        return _f32(SR_TARGET * scale_max), _f32(SR_TARGET)
+    if mode == "ms_eden":
+        return _f32(EDEN_SCALE_MAX * EDEN_TARGET), _f32(EDEN_TARGET)
+    raise ValueError(f"unknown kernel quantizer {mode!r}")
+
+
+def _operand(x: Tensor, src: int, transpose: bool):
+    """(M, K, stride_m, stride_k, P_C, PT) of the logical operand."""
+    if x.dim() != 2:
+        raise ValueError(f"the NVFP4 kernels take 2-D operands, got shape {tuple(x.shape)}")
+    if src == SRC_DENSE:
+        a = x.t() if transpose else x
+        M, Kd = a.shape
+        return M, Kd, a.stride(0), a.stride(1), 0, False
+    if not x.is_contiguous():
+        raise ValueError("packed NVFP4 data must be contiguous")
+    R, C = x.shape[0], x.shape[1] * 2
+    M, Kd = (C, R) if transpose else (R, C)
+    return M, Kd, 0, 0, C, transpose
+
+
+def _rotation(signs: Optional[Tensor]) -> tuple[int, int, float]:
+    if signs is None:
+        return 0, 0, 1.0
+    h = signs.numel()
+    return h, int(math.log2(h)), _f32(1.0 / math.sqrt(h))
+
+
+def _launch(kernel, grid, *args, num_warps: int, **meta):
+    if _INTERPRET:
+        kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **meta)
+
+
+def _check(M: int, Kd: int, mode: str, rot: int) -> None:
+    if Kd % GROUP:
+        raise ValueError(f"the reduction dim ({Kd}) must be divisible by {GROUP}")
+    if mode == "rtn_2d" and M % GROUP:
+        raise ValueError(f"16×16 quantization needs both dims divisible by 16, got {M}×{Kd}")
+    if rot and Kd % rot:
+        raise ValueError(f"the reduction dim ({Kd}) must be divisible by the rotation size {rot}")
+    if M * Kd >= 2**31:
+        raise ValueError("operands of 2^31 elements or more are not supported by the kernels")
+
+
+def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
+    M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
+    rot, log_rot, inv = _rotation(signs)
+    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    if M == 0 or Kd == 0:
+        return out
+    bm, bk, nw = _config()
+    grid = (triton.cdiv(M, bm), triton.cdiv(Kd, bk))
+    _launch(K.amax_kernel, grid, x, x_scales if x_scales is not None else x,
+            in_scale if in_scale is not None else out, signs if signs is not None else out, out,
+            M, Kd, sm, sk, pc, SRC=src, PT=pt, HAS_SCALE=in_scale is not None, ROT=rot,
+            LOG_ROT=log_rot, INV_SQRT=inv, BM=bm, BK=bk, num_warps=nw)
+    return out
+
+
+def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool):
+    sc = (M // GROUP, Kd // GROUP) if mode == "rtn_2d" else (M, Kd // GROUP)
+    return ((M, Kd) if values else (0,)), ((M, Kd // 2) if pack else (0,)), (sc if pack else (0,))
+
+
+def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
+                   mode, four_over_six, values, pack):
+    M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
+    rot, log_rot, inv = _rotation(signs)
+    _check(M, Kd, mode, rot)
+    dev = x.device
+    current = _amax_impl(x, x_scales, src, transpose, in_scale, signs)
+    amax = current if prev_amax is None else torch.where(prev_amax > 0, prev_amax.float(), current)
+    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
+    val = torch.empty(vshape, dtype=torch.bfloat16, device=dev)
+    codes = torch.empty(cshape, dtype=torch.uint8, device=dev)
+    scales = torch.empty(sshape, dtype=torch.uint8, device=dev)
+    st = torch.ones((), dtype=torch.float32, device=dev)
+    stochastic = mode in ("sr", "ms_eden")
+    if stochastic and (uniforms is None) == (seed is None):
+        raise ValueError(f"{mode} needs exactly one of uniforms or seed")
+    if uniforms is not None:
+        expect = (M, Kd) if mode == "sr" else (M, Kd // GROUP)
+        if tuple(uniforms.shape) != expect:
+            raise ValueError(f"{mode} uniforms must have shape {expect}, got {tuple(uniforms.shape)}")
+        uniforms = uniforms.float().contiguous()
+    if mode == "ms_eden" and rot == 0:
+        raise ValueError("MS-EDEN needs a rotation (signs)")
+    if M and Kd:
+        t_t, t_b = _targets(mode, four_over_six)
+        bm, bk, nw = _config()
+        grid = (triton.cdiv(M, bm), triton.cdiv(Kd, bk))
+        dummy = st
+        _launch(K.quant_kernel, grid,
+                x, x_scales if x_scales is not None else x,
+                in_scale if in_scale is not None else dummy, signs if signs is not None else dummy,
+                amax, uniforms if uniforms is not None else dummy, seed if seed is not None else dummy,
+                val, codes, scales, st, M, Kd, sm, sk, pc,
+                T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, PT=pt, HAS_SCALE=in_scale is not None,
+                ROT=rot, LOG_ROT=log_rot, INV_SQRT=inv,
+                MODE={"rtn": 0, "rtn_2d": 0, "sr": 1, "ms_eden": 2}[mode],
+                FOUR_SIX=four_over_six, TILE2D=mode == "rtn_2d", RAND=0 if uniforms is not None else 1,
+                WRITE_VALUES=values, PACK=pack, BM=bm, BK=bk, num_warps=nw)
+    return val, codes, scales.view(torch.float8_e4m3fn), st, current
+
+
+def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
+                   mode, four_over_six, values, pack):
+    M, Kd, *_ = _operand(x, src, transpose)
+    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
+    dev = x.device
+    return (x.new_empty(vshape, dtype=torch.bfloat16), x.new_empty(cshape, dtype=torch.uint8),
+            x.new_empty(sshape, dtype=torch.float8_e4m3fn),
+            torch.empty((), dtype=torch.float32, device=dev), torch.empty((), dtype=torch.float32, device=dev))
+
+
+# --------------------------------------------------------------------------- generic operand op
+
+@torch.library.custom_op("nvfp4::quantize_operand", mutates_args=())
+def quantize_operand(
+    x: Tensor, x_scales: Optional[Tensor], src: int, transpose: bool, in_scale: Optional[Tensor],
+    signs: Optional[Tensor], prev_amax: Optional[Tensor], uniforms: Optional[Tensor],
+    seed: Optional[Tensor], mode: str, four_over_six: bool, values: bool, pack: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Any quantizer on any operand: dense (``src=0``, ``x`` float, times ``in_scale``) or packed
+    NVFP4 (``src=1`` 1×16 / ``2`` 16×16: ``x`` uint8 codes, ``x_scales`` uint8 E4M3 bits,
+    ``in_scale`` its tensor scale), optionally rotated by ``signs``. Returns
+    ``(values, codes, scales, tensor_scale, amax)`` (see the module docstring)."""
+    return _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
+                          mode, four_over_six, values, pack)
+
+
+@quantize_operand.register_fake
+def _(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, mode,
+      four_over_six, values, pack):
+    return _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
+                          mode, four_over_six, values, pack)
+
+
+# --------------------------------------------------------------------------- named quantizers
+
+@torch.library.custom_op("nvfp4::rtn", mutates_args=())
+def rtn(x: Tensor, transpose: bool = False, four_over_six: bool = False,
+        amax: Optional[Tensor] = None, pack: bool = True
+        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """RTN 1×16 (optionally 4/6) of ``x`` (rows) or ``xᵀ`` (``transpose``, i.e. along columns)."""
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, None, None, "rtn",
+                          four_over_six, True, pack)
+
+
+@rtn.register_fake
+def _(x, transpose=False, four_over_six=False, amax=None, pack=True):
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, None, None, "rtn",
+                          four_over_six, True, pack)
+
+
+@torch.library.custom_op("nvfp4::rtn_2d", mutates_args=())
+def rtn_2d(x: Tensor, transpose: bool = False, four_over_six: bool = False,
+           amax: Optional[Tensor] = None, pack: bool = True
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """RTN with one scale per 16×16 tile (optionally 4/6)."""
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, None, None, "rtn_2d",
+                          four_over_six, True, pack)
+
+
+@rtn_2d.register_fake
+def _(x, transpose=False, four_over_six=False, amax=None, pack=True):
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, None, None, "rtn_2d",
+                          four_over_six, True, pack)
+
+
+@torch.library.custom_op("nvfp4::sr", mutates_args=())
+def sr(x: Tensor, transpose: bool = False, uniforms: Optional[Tensor] = None,
+       seed: Optional[Tensor] = None, four_over_six: bool = False, amax: Optional[Tensor] = None,
+       pack: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Stochastic rounding 1×16 (``four_over_six``: the biased ablation)."""
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, uniforms, seed, "sr",
+                          four_over_six, True, pack)
+
+
+@sr.register_fake
+def _(x, transpose=False, uniforms=None, seed=None, four_over_six=False, amax=None, pack=True):
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, uniforms, seed, "sr",
+                          four_over_six, True, pack)
+
+
+@torch.library.custom_op("nvfp4::rht_ms_eden", mutates_args=())
+def rht_ms_eden(x: Tensor, signs: Tensor, transpose: bool = False,
+                uniforms: Optional[Tensor] = None, seed: Optional[Tensor] = None,
+                amax: Optional[Tensor] = None, pack: bool = False
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Randomized Hadamard transform (chunks of ``len(signs)``) fused with MS-EDEN."""
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed,
+                          "ms_eden", False, True, pack)
+
+
+@rht_ms_eden.register_fake
+def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False):
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed,
+                          "ms_eden", False, True, pack)
+
+
+@torch.library.custom_op("nvfp4::rht_sr", mutates_args=())
+def rht_sr(x: Tensor, signs: Tensor, transpose: bool = False,
+           uniforms: Optional[Tensor] = None, seed: Optional[Tensor] = None,
+           amax: Optional[Tensor] = None, pack: bool = False
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Randomized Hadamard transform fused with SR (tetrajet_v2's backward, nvidia's Eᵀ)."""
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed,
+                          "sr", False, True, pack)
+
+
+@rht_sr.register_fake
+def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False):
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed,
+                          "sr", False, True, pack)
+
+
+@torch.library.custom_op("nvfp4::rht_rtn", mutates_args=())
+def rht_rtn(x: Tensor, signs: Tensor, transpose: bool = False, amax: Optional[Tensor] = None,
+            pack: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Randomized Hadamard transform followed by RTN 1×16 (nvidia's Xᵀ in wgrad)."""
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, None, None,
+                          "rtn", False, True, pack)
+
+
+@rht_rtn.register_fake
+def _(x, signs, transpose=False, amax=None, pack=False):
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, None, None,
+                          "rtn", False, True, pack)
+
+
+# --------------------------------------------------------------------------- helpers
+
+@torch.library.custom_op("nvfp4::amax", mutates_args=())
+def amax(x: Tensor, transpose: bool = False, signs: Optional[Tensor] = None,
+         in_scale: Optional[Tensor] = None) -> Tensor:
+    """``max |A|`` (FP32 0-dim) of ``A = x`` or ``xᵀ``, after the rotation when ``signs``."""
+    return _amax_impl(x, None, SRC_DENSE, transpose, in_scale, signs)
+
+
+@amax.register_fake
+def _(x, transpose=False, signs=None, in_scale=None):
+    return torch.empty((), dtype=torch.float32, device=x.device)
+
+
+@torch.library.custom_op("nvfp4::unpack", mutates_args=())
+def unpack(data: Tensor, scales: Tensor, tile2d: bool = False) -> Tensor:
+    """BF16 ``q · s_block`` of a packed tensor (``R × C/2`` codes, E4M3 scales)."""
+    R, C = data.shape[0], data.shape[1] * 2
+    out = torch.empty((R, C), dtype=torch.bfloat16, device=data.device)
+    if R and C:
+        bm, bk, nw = _config()
+        _launch(K.unpack_kernel, (triton.cdiv(R, bm), triton.cdiv(C, bk)), data,
+                scales.view(torch.uint8), out, R, C, SRC=SRC_PACKED_2D if tile2d else SRC_PACKED,
+                BM=bm, BK=bk, num_warps=nw)
+    return out
+
+
+@unpack.register_fake
+def _(data, scales, tile2d=False):
+    return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("nvfp4::philox_uniforms", mutates_args=())
+def philox_uniforms(seed: Tensor, n: int) -> Tensor:
+    """``tl.rand(seed, i)`` for ``i < n``: the draws of the seeded kernels (reshape them to the
+    operand's ``M × K`` for SR, ``M × K/16`` for MS-EDEN)."""
+    out = torch.empty(n, dtype=torch.float32, device=seed.device)
+    if n:
+        block = 65536 if _INTERPRET else 1024
+        _launch(K.rand_kernel, (triton.cdiv(n, block),), seed, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+@philox_uniforms.register_fake
+def _(seed, n):
+    return seed.new_empty((n,), dtype=torch.float32)

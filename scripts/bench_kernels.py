@@ -1,0 +1,183 @@
+"""Bandwidth of each NVFP4 Triton quantizer against the device's copy bandwidth.
+
+    python scripts/bench_kernels.py                      # 16384×4096 BF16, rows and columns
+    python scripts/bench_kernels.py --sweep              # also try a few tile shapes
+
+Every kernel quantizes a BF16 ``M × K`` input along its rows (``A = X``) or its columns
+(``A = Xᵀ``, no transpose copy). Time = the whole op: the amax pass (reads X, rotating it when
+the quantizer rotates) and the quantization pass (reads X again, writes BF16 values and, when
+``pack``, the 4.5-bit form). Bytes = everything those two passes move:
+``2·|X|`` read + values (+ packed codes and scales) written. The table gives the achieved
+bandwidth as a fraction of the measured device-to-device copy bandwidth (``clone`` of the same
+input, read+write), and the time relative to that copy. Targets (issue #5): ≥ 75% for
+RTN/SR/4-6, ≥ 60% for the fused rotation + MS-EDEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def bench(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median time of ``fn()`` in seconds (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def bench_graph(fn, reps: int = 10, iters: int = 10) -> float | None:
+    """GPU-only time of ``fn()`` (no Python/launch overhead): ``reps`` calls captured in a CUDA
+    graph, replayed; median per call. None when capture fails."""
+    try:
+        fn()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        return bench(g.replay, iters, 2) / reps
+    except Exception as e:  # noqa: BLE001
+        print(f"graph capture failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return None
+
+
+def cases(x: torch.Tensor):
+    from quant import kernels as K
+    from quant.hadamard import random_signs
+
+    dev = x.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    seed = torch.randint(0, 2**62, (1,), generator=g, device=dev, dtype=torch.int64)
+    s128, s32, s16 = (random_signs(h, g, dev) for h in (128, 32, 16))
+    # name, target, fn(transpose), packed output written
+    return [
+        ("rtn 1x16", 0.75, lambda t: K.rtn(x, t, False, None, True), True),
+        ("rtn 1x16 + 4/6", 0.75, lambda t: K.rtn(x, t, True, None, True), True),
+        ("rtn 16x16", 0.75, lambda t: K.rtn_2d(x, t, False, None, True), True),
+        ("rtn 16x16 + 4/6", 0.75, lambda t: K.rtn_2d(x, t, True, None, True), True),
+        ("sr 1x16", 0.75, lambda t: K.sr(x, t, None, seed, False, None, False), False),
+        ("rht16 + rtn (nvidia Xᵀ)", 0.60, lambda t: K.rht_rtn(x, s16, t, None, False), False),
+        ("rht16 + sr (nvidia Eᵀ)", 0.60, lambda t: K.rht_sr(x, s16, t, None, seed, None, False), False),
+        ("rht32 + sr (tetrajet_v2)", 0.60, lambda t: K.rht_sr(x, s32, t, None, seed, None, False), False),
+        ("rht128 + ms-eden (quartet2)", 0.60, lambda t: K.rht_ms_eden(x, s128, t, None, seed, None, False), False),
+    ]
+
+
+def check() -> None:
+    """Bit-exactness of every kernel on this device against the reference on CPU copies; prints
+    mismatch counts and where the first mismatches sit (row, column) for failing cases."""
+    from quant import kernels as K
+    from quant.hadamard import random_signs, rotate
+    from quant.quantizers import quantize_ms_eden, quantize_rtn, quantize_rtn_2d, quantize_sr
+
+    dev = torch.device("cuda")
+    for shape in [(48, 160), (144, 256), (1024, 4096)]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(shape, generator=g) * torch.logspace(-2, 2, shape[1])
+        for t in (False, True):
+            a = x.t() if t else x
+            kdim = a.shape[1]
+            h = next(h for h in (128, 32, 16) if kdim % h == 0)
+            sg = random_signs(h, g, "cpu")
+            s16 = random_signs(16, g, "cpu")
+            u = torch.rand(a.shape, generator=g)
+            ug = torch.rand(a.shape[0], kdim // 16, generator=g)
+            xd = x.to(dev)
+            cases = [
+                ("rtn", lambda: K.rtn(xd, t), lambda: quantize_rtn(a)),
+                ("rtn46", lambda: K.rtn(xd, t, True), lambda: quantize_rtn(a, four_over_six=True)),
+                ("rtn2d46", lambda: K.rtn_2d(xd, t, True), lambda: quantize_rtn_2d(a, four_over_six=True)),
+                ("sr", lambda: K.sr(xd, t, u.to(dev)), lambda: quantize_sr(a, u)),
+                ("rht16_rtn", lambda: K.rht_rtn(xd, s16.to(dev), t), lambda: quantize_rtn(rotate(a, s16))),
+                ("rht16_sr", lambda: K.rht_sr(xd, s16.to(dev), t, u.to(dev)), lambda: quantize_sr(rotate(a, s16), u)),
+                (f"rht{h}_eden", lambda: K.rht_ms_eden(xd, sg.to(dev), t, ug.to(dev)),
+                 lambda: quantize_ms_eden(rotate(a, sg), ug, chunk=h)),
+            ]
+            q46 = quantize_rtn(a, four_over_six=True)
+            pk = q46.pack()
+            cases.append(("unpack", lambda: (K.unpack(pk.data.to(dev), pk.scales.to(dev)),),
+                          lambda: q46))
+            for name, kern, ref in cases:
+                try:
+                    v = kern()[0].float().cpu()
+                    r = ref().scaled_values()
+                    bad = (v.view(torch.int32) != r.view(torch.int32)).nonzero()
+                    msg = "ok" if len(bad) == 0 else (
+                        f"{len(bad)} mismatches; rows {bad[:, 0].unique()[:8].tolist()} "
+                        f"cols {bad[:, 1].unique()[:12].tolist()} e.g. {v[tuple(bad[0])].item()} vs {r[tuple(bad[0])].item()}")
+                except Exception as e:  # noqa: BLE001
+                    msg = f"error {type(e).__name__}: {str(e)[:150]}"
+                print(f"check {shape} {'cols' if t else 'rows'} {name}: {msg}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=16384)
+    p.add_argument("--cols", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="try several (BM, BK, warps) tile configs")
+    p.add_argument("--only", nargs="*", default=None, help="substrings of kernel names to run")
+    p.add_argument("--check", action="store_true", help="only check bit-exactness on this device")
+    a = p.parse_args()
+    if a.check:
+        check()
+        return
+    import triton
+
+    from quant.kernels import ops
+
+    dev = torch.device("cuda")
+    x = torch.randn(a.rows, a.cols, device=dev, dtype=torch.bfloat16)
+    n = x.numel()
+    copy_s = bench_graph(lambda: x.clone()) or bench(lambda: x.clone(), a.iters)
+    copy_bw = 4 * n / copy_s
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"input {a.rows}×{a.cols} BF16; copy (clone) {copy_s * 1e6:.1f} µs = {copy_bw / 1e12:.2f} TB/s\n")
+    configs = [ops._CONFIG["gpu"]]
+    if a.sweep:
+        configs += [c for c in [(64, 128, 8), (32, 128, 8), (16, 128, 4)] if c not in configs]
+    rows = ["| kernel | dim | (BM, BK, warps) | GPU time (µs) | × copy | GB moved | TB/s | % of copy bw | target | "
+            "eager call (µs) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for cfg in configs:
+        ops.set_block_config(*cfg)
+        for name, target, fn, packed in cases(x):
+            if a.only and not any(s in name for s in a.only):
+                continue
+            for t, dim in ((False, "rows"), (True, "cols")):
+                try:
+                    eager = bench(lambda: fn(t), a.iters)
+                    s = bench_graph(lambda: fn(t)) or eager
+                except Exception as e:  # report and go on
+                    rows.append(f"| {name} | {dim} | {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |")
+                    print(rows[-1], flush=True)
+                    continue
+                moved = 2 * n + 2 * n + 2 * n + ((n // 2 + n // 16) if packed else 0)
+                bw = moved / s
+                rows.append(f"| {name} | {dim} | {cfg} | {s * 1e6:.1f} | {s / copy_s:.2f} | {moved / 1e9:.2f} | "
+                            f"{bw / 1e12:.2f} | {bw / copy_bw:.0%} | {target:.0%} | {eager * 1e6:.0f} |")
+                print(rows[-1], flush=True)
+    print("\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""The fused Triton quantizers (quant/kernels) against the pure-PyTorch reference, bit for bit.
+
+Without CUDA the kernels run under triton's CPU interpreter: ``TRITON_INTERPRET=1`` is set only
+while this module imports :mod:`quant.kernels` (the kernels are decorated then; the variable is
+restored at once so other test modules never see it), and the interpreter's fp8/bf16 conversion
+bugs are patched (:mod:`quant.kernels.interpreter`). With CUDA the same tests run on the GPU
+(``@pytest.mark.gpu``), the reference running on CPU copies of the inputs (the reference on CUDA
+divides by a Python constant through its reciprocal, see docs/performance.md).
+
+Shapes exercise masking and non-square tiles: 48×160 and 144×256, quantized along rows and
+along columns. Stochastic kernels get the same uniforms as the reference, either explicitly or
+as the Philox draws materialised by ``nvfp4::philox_uniforms``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+# Without CUDA the kernels run in triton's interpreter, which needs TRITON_INTERPRET=1 before
+# triton itself is first imported (its own @jit helpers such as tl.sum and tl.rand are decorated
+# at import). So this module re-runs itself in a subprocess with the variable set; in the parent
+# process only test_interpreter_subprocess runs (the variable never leaks into other modules).
+INTERP_CHILD = os.environ.get("NVFP4_KERNEL_TESTS") == "interpreter"
+if not CUDA and not INTERP_CHILD:
+    pytest.importorskip("triton")
+    K = kops = None
+else:
+    pytest.importorskip("triton")
+    import quant.kernels as K
+    from quant.kernels import ops as kops
+
+    if not CUDA and not kops._INTERPRET:
+        raise RuntimeError("the interpreter child must run with TRITON_INTERPRET=1")
+
+import quant  # noqa: E402
+from quant import backend, randomness  # noqa: E402
+from quant.format import PackedNVFP4  # noqa: E402
+from quant.hadamard import random_signs, rotate  # noqa: E402
+from quant.quantizers import (  # noqa: E402
+    quantize_ms_eden,
+    quantize_rtn,
+    quantize_rtn_2d,
+    quantize_sr,
+)
+
+DEV = "cuda" if CUDA else "cpu"
+RUN_HERE = CUDA or INTERP_CHILD
+pytestmark = [pytest.mark.gpu] if CUDA else []
+
+
+@pytest.fixture(autouse=True)
+def _only_where_kernels_run(request):
+    if not RUN_HERE and request.node.name != "test_interpreter_subprocess":
+        pytest.skip("runs in the interpreter subprocess (test_interpreter_subprocess)")
+
+
+@pytest.mark.skipif(RUN_HERE, reason="the parent of the interpreter run")
+def test_interpreter_subprocess():
+    """Every test of this module, bit-exact, on CPU under triton's interpreter (a subprocess)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1", NVFP4_KERNEL_TESTS="interpreter")
+    env.pop("NVFP4_BACKEND", None)
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        str(Path(__file__).resolve())], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+SHAPES = [(48, 160), (144, 256)]
+EDEN_GPU_XFAIL = pytest.mark.xfail(
+    CUDA, strict=False, reason="known issue: the MS-EDEN kernel gives wrong scales (one E4M3 step, "
+    "rows 16+ of a 32-row tile) on the H200 with triton 3.6; see docs/performance.md")
+
+
+def _data(shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-2, 2, shape[1])
+    x[0, :16] = 0.0  # an all-zero group (block scale 1) ...
+    x[1, 16:32] = -0.0
+    x[2, 3] = 1e-30  # ... and tiny values (E4M3 subnormal scales)
+    return x.to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous().view(torch.int32)
+
+
+def _check(out, ref, packed=True):
+    """``out`` = kernel op outputs (values, codes, scales, tensor_scale, amax) vs an NVFP4Tensor."""
+    values, codes, scales, st, _ = (t.cpu() for t in out)
+    assert values.dtype == torch.bfloat16
+    assert torch.equal(_bits(values), _bits(ref.scaled_values())), "values differ"
+    assert torch.equal(_bits(st), _bits(ref.tensor_scale)), "tensor scale differs"
+    if packed:
+        p = ref.pack()
+        assert torch.equal(codes, p.data), "codes differ"
+        assert torch.equal(scales.view(torch.uint8), p.scales.view(torch.uint8)), "scales differ"
+
+
+def _logical(x, transpose):
+    return x.t() if transpose else x
+
+
+def _rot(k: int) -> int:
+    return next(h for h in (128, 32, 16) if k % h == 0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("four_over_six", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rtn(shape, transpose, four_over_six, dtype):
+    x = _data(shape, dtype=dtype)
+    out = K.rtn(x.to(DEV), transpose, four_over_six)
+    _check(out, quantize_rtn(_logical(x, transpose), four_over_six=four_over_six))
+    assert out[4].cpu() == x.float().abs().amax()
+
+
+@pytest.mark.parametrize("shape", [(48, 160), (144, 256), (160, 48)])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("four_over_six", [False, True])
+def test_rtn_2d(shape, transpose, four_over_six):
+    x = _data(shape, seed=1)
+    out = K.rtn_2d(x.to(DEV), transpose, four_over_six)
+    _check(out, quantize_rtn_2d(_logical(x, transpose), four_over_six=four_over_six))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("four_over_six", [False, True])
+def test_sr_explicit_uniforms(shape, transpose, four_over_six):
+    x = _data(shape, seed=2)
+    a = _logical(x, transpose)
+    u = torch.rand(a.shape, generator=torch.Generator().manual_seed(3))
+    out = K.sr(x.to(DEV), transpose, u.to(DEV), None, four_over_six)
+    _check(out, quantize_sr(a, u, four_over_six=four_over_six))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_sr_seeded_draws(shape, transpose):
+    x = _data(shape, seed=4)
+    a = _logical(x, transpose)
+    seed = torch.tensor([123456789012345], dtype=torch.int64, device=DEV)
+    u = K.philox_uniforms(seed, a.numel()).cpu().reshape(a.shape)
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.02
+    out = K.sr(x.to(DEV), transpose, None, seed)
+    _check(out, quantize_sr(a, u))
+
+
+@EDEN_GPU_XFAIL
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_rht_ms_eden(shape, transpose, seeded):
+    x = _data(shape, seed=5)
+    a = _logical(x, transpose)
+    h = _rot(a.shape[1])
+    signs = random_signs(h, torch.Generator().manual_seed(6), "cpu")
+    if seeded:
+        seed = torch.tensor([987654321], dtype=torch.int64, device=DEV)
+        u = K.philox_uniforms(seed, a.numel() // 16).cpu().reshape(a.shape[0], -1)
+        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, None, seed, None, True)
+    else:
+        u = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(7))
+        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True)
+    xr = rotate(a, signs)
+    _check(out, quantize_ms_eden(xr, u, chunk=h))
+    assert out[4].cpu() == xr.abs().amax()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_rht_sr_and_rht_rtn(shape, transpose):
+    x = _data(shape, seed=8, dtype=torch.bfloat16)
+    a = _logical(x, transpose)
+    h = _rot(a.shape[1])
+    h = 32 if a.shape[1] % 32 == 0 else 16
+    signs = random_signs(h, torch.Generator().manual_seed(9), "cpu")
+    xr = rotate(a, signs)
+    u = torch.rand(a.shape, generator=torch.Generator().manual_seed(10))
+    _check(K.rht_sr(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True), quantize_sr(xr, u))
+    _check(K.rht_rtn(x.to(DEV), signs.to(DEV), transpose, None, True), quantize_rtn(xr))
+
+
+@EDEN_GPU_XFAIL
+@pytest.mark.parametrize("tile", ["1x16", "16x16"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_packed_source(tile, transpose):
+    """Operands read straight from the saved packed form (X̂ᵀ, Ŵᵀ in backward), with the tensor
+    scale applied in the kernel, as ``_Factor.of(p.unpack()).dense()`` does."""
+    x = _data((144, 256), seed=11)
+    q = quantize_rtn_2d(x) if tile == "16x16" else quantize_rtn(x, four_over_six=True)
+    p = q.pack()
+    dense = (q.scaled_values() * q.tensor_scale)
+    a = _logical(dense, transpose)
+    h = _rot(a.shape[1])
+    signs = random_signs(h, torch.Generator().manual_seed(12), "cpu")
+    u = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(13))
+    kind = kops.SRC_PACKED_2D if tile == "16x16" else kops.SRC_PACKED
+    out = K.quantize_operand(p.data.to(DEV), p.scales.view(torch.uint8).to(DEV), kind, transpose,
+                             p.tensor_scale.to(DEV), signs.to(DEV), None, u.to(DEV), None,
+                             "ms_eden", False, True, True)
+    _check(out, quantize_ms_eden(rotate(a, signs), u, chunk=h))
+    us = torch.rand(a.shape, generator=torch.Generator().manual_seed(14))
+    out = K.quantize_operand(p.data.to(DEV), p.scales.view(torch.uint8).to(DEV), kind, transpose,
+                             p.tensor_scale.to(DEV), None, None, us.to(DEV), None, "sr", False, True, True)
+    _check(out, quantize_sr(a, us))
+    v = K.unpack(p.data.to(DEV), p.scales.to(DEV), tile == "16x16").cpu()
+    assert torch.equal(_bits(v), _bits(q.scaled_values()))
+
+
+def test_delayed_amax_and_scaled_input():
+    x = _data((48, 160), seed=15)
+    prev = torch.tensor(3.5)
+    out = K.rtn(x.to(DEV), False, True, prev.to(DEV))
+    _check(out, quantize_rtn(x, four_over_six=True, amax=prev))
+    assert out[4].cpu() == x.abs().amax()  # the current amax, for the next call
+    scale = torch.tensor(0.37)
+    out = K.quantize_operand(x.to(DEV), None, kops.SRC_DENSE, True, scale.to(DEV), None, None, None,
+                             None, "rtn", False, True, True)
+    _check(out, quantize_rtn((x * scale).t()))
+
+
+def test_zero_tensor():
+    x = torch.zeros(32, 128)
+    _check(K.rtn(x.to(DEV)), quantize_rtn(x))
+
+
+def test_fake_tensor_support():
+    """The ops work on fake tensors (what torch.compile traces with)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(64, 256, device=DEV)
+        v, c, s, st, am = K.rtn(x, True, False)
+        assert v.shape == (256, 64) and c.shape == (256, 32) and s.shape == (256, 4)
+        v, c, s, st, am = K.rtn_2d(x)
+        assert s.shape == (4, 16)
+        signs = torch.empty(128, device=DEV)
+        v, *_ = K.rht_ms_eden(x, signs, False, None, torch.empty(1, dtype=torch.int64, device=DEV))
+        assert v.shape == (64, 256) and v.dtype == torch.bfloat16
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("NVFP4_BACKEND", raising=False)
+    assert backend.get_backend() == "auto"
+    assert backend.use_triton(torch.zeros(1, device=DEV)) == CUDA
+    with backend.use_backend("reference"):
+        assert not backend.use_triton(torch.zeros(1, device=DEV))
+    monkeypatch.setenv("NVFP4_BACKEND", "triton")
+    assert backend.use_triton(torch.zeros(1))
+    with pytest.raises(ValueError):
+        backend.set_backend("cuda")
+
+
+def _run_linear(scheme, x, w, dy, autocast):
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    delayed = torch.zeros(6, device=x.device) if scheme.delayed_amax else None
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        with randomness.quant_step(3, 1):
+            y = quant.quantized_linear(x, w, scheme, 2, delayed)
+            y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad, w.grad
+
+
+SCHEME_CASES = [("nvidia", {}), ("four_over_six", {}), ("tetrajet_v2", {}), ("quartet2", {}),
+                ("quartet2", {"delayed_amax": True}), ("tetrajet_v2", {"sr_four_over_six": True}),
+                ("quartet2", {"forward": False})]
+
+
+@pytest.mark.parametrize("name,kw", SCHEME_CASES)
+def test_function_matches_reference(name, kw):
+    """QuantizedLinearFunction with backend=triton (same uniforms) equals backend=reference, bit
+    for bit: forward output and both gradients."""
+    if CUDA:
+        pytest.skip("bit-exact Function comparison runs on CPU (the CUDA reference divides by "
+                    "reciprocals); the GPU run compares kernels one by one")
+    scheme = quant.get_scheme(name, **kw)
+    g = torch.Generator().manual_seed(20)
+    x = torch.randn(2, 64, 160, generator=g)
+    w = torch.randn(256, 160, generator=g) * 0.05
+    dy = torch.randn(2, 64, 256, generator=g)
+    autocast = name == "quartet2"
+    with backend.use_backend("reference"):
+        ref = _run_linear(scheme, x, w, dy, autocast)
+    with backend.use_backend("triton", draws="torch"):
+        out = _run_linear(scheme, x, w, dy, autocast)
+    for r, o, what in zip(ref, out, ("y", "dx", "dw")):
+        assert r.dtype == o.dtype, what
+        assert torch.equal(_bits(r), _bits(o)), f"{name}: {what} differs"
+
+
+def test_function_philox_draws_deterministic():
+    """The production draw mode: a pure function of (seed, step, micro-step, layer, role)."""
+    scheme = quant.get_scheme("quartet2")
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(128, 128, generator=g, device="cpu").to(DEV)
+    w = (torch.randn(128, 128, generator=g) * 0.05).to(DEV)
+    dy = torch.randn(128, 128, generator=g).to(DEV)
+    with backend.use_backend("triton", draws="philox"):
+        a = _run_linear(scheme, x, w, dy, False)
+        b = _run_linear(scheme, x, w, dy, False)
+    for r, o in zip(a, b):
+        assert torch.equal(r, o)
+    with backend.use_backend("reference"):
+        ref = _run_linear(scheme, x.cpu(), w.cpu(), dy.cpu(), False)
+    if CUDA:  # forward is deterministic; the GEMM's accumulation order differs across devices
+        assert torch.allclose(a[0].cpu(), ref[0], rtol=1e-4, atol=1e-4)
+    else:
+        assert torch.equal(_bits(a[0].cpu()), _bits(ref[0]))
+    for r, o in zip(ref[1:], a[1:]):  # backward: other draws, same estimator
+        rel = (r - o.cpu()).norm() / r.norm()
+        assert rel < 1.0
+
+
+def test_saved_packed_operand_roundtrip():
+    """The kernel path saves the same packed X̂, Ŵ as the reference (quartet2 forward)."""
+    x = _data((128, 160), seed=22)
+    with backend.use_backend("triton"):
+        fa, qa = quant.linear._quantize(quant.linear._Factor(x.to(DEV)),
+                                        quant.get_scheme("quartet2").forward.a, None, None, None,
+                                        None, 0, pack=True)
+    p, r = qa.pack(), quantize_rtn(x, four_over_six=True).pack()
+    assert torch.equal(p.data.cpu(), r.data) and torch.equal(p.scales.view(torch.uint8).cpu(), r.scales.view(torch.uint8))
+    assert isinstance(p, PackedNVFP4) and p.tile == "1x16"
+
+
+@pytest.mark.skipif(not CUDA, reason="large-shape check of the compiled kernels")
+@pytest.mark.parametrize("transpose", [False, True])
+def test_gpu_large_shapes(transpose):
+    x = _data((1024, 4096), seed=30, dtype=torch.bfloat16)
+    a = _logical(x, transpose)
+    _check(K.rtn(x.to(DEV), transpose, True), quantize_rtn(a, four_over_six=True))
+    us = torch.rand(a.shape, generator=torch.Generator().manual_seed(33))
+    _check(K.sr(x.to(DEV), transpose, us.to(DEV)), quantize_sr(a, us))
+    s16 = random_signs(16, torch.Generator().manual_seed(34), "cpu")
+    _check(K.rht_sr(x.to(DEV), s16.to(DEV), transpose, us.to(DEV), None, None, True),
+           quantize_sr(rotate(a, s16), us))
+    assert math.isfinite(float(K.amax(x.to(DEV))))
+
+
+@EDEN_GPU_XFAIL
+@pytest.mark.skipif(not CUDA, reason="large-shape check of the compiled kernels")
+@pytest.mark.parametrize("transpose", [False, True])
+def test_gpu_large_shapes_eden(transpose):
+    x = _data((1024, 4096), seed=30, dtype=torch.bfloat16)
+    a = _logical(x, transpose)
+    signs = random_signs(128, torch.Generator().manual_seed(31), "cpu")
+    u = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(32))
+    _check(K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True),
+           quantize_ms_eden(rotate(a, signs), u, chunk=128))
