@@ -1,0 +1,358 @@
+"""Concentration study of the quantized backward pass (SPEC §5, "Unbiasedness").
+
+    python scripts/unbiasedness.py                               # tiny model, block 0 attn.qkv, B ≤ 1024
+    python scripts/unbiasedness.py --model 30m --max-b 1024 --out-dir unbiasedness/30m
+    python scripts/unbiasedness.py --model runs/x/model.pt --layers blocks.0.attn.qkv blocks.3.mlp.down
+
+Protocol. One model (a preset of configs/model/, randomly initialised with ``--seed``; or a
+consolidated checkpoint written by scripts/export_checkpoint.py), one fixed batch of tokens (random
+ids, or the first validation batch of a prepared dataset with ``--data DIR``) and its
+cross-entropy loss. For every scheme only the backward pass is quantized
+(``get_scheme(name, forward=False)``): the forward is exact, so the logits and the loss's gradient
+with respect to them (the upstream gradient) are the same fixed tensors for every draw, and the
+exact reference gradient ``G`` is the gradient of the same model with quantization off. One forward
+graph per scheme is kept (``retain_graph=True``) and differentiated ``max_b`` times; before draw
+``i`` the quantizers' counter is set to step ``i`` (``quant_step(i)``), so every draw is fresh and
+reproducible. For B = 1, 4, 16, …, ``--max-b`` the script reports, for each chosen layer's weight
+gradient, the relative squared error of the mean of the first B draws,
+
+    err(B) = ‖ mean_{i≤B} Ĝ_i − G ‖² / ‖G ‖²,
+
+its least-squares log-log slope against B (−1 for an unbiased estimator: +1 bit per 4× B), and a
+direct bias check at the largest B: the mean over the gradient's elements of
+``z² = B · (mean Ĝ − G)² / s²`` (s² the elements' sample variance over the B draws). An unbiased
+estimator gives z² ≈ 1 at any B; a bias gives z² growing in proportion to B. (SPEC §5: a slope alone
+can miss a mild bias, so read both.)
+
+Schemes (``--schemes``): any name of quant.SCHEMES, and ``NAME+sr46`` for the scheme with 4/6
+selection on its stochastic-rounding operands (``sr_four_over_six=True``), the biased control.
+Default: nvidia, four_over_six, tetrajet_v2, quartet2 and nvidia+sr46.
+
+Outputs: a markdown table on stdout (and ``OUT_DIR/unbiasedness.md``), ``OUT_DIR/unbiasedness.png``
+(log-log, one panel per layer, with a 1/B reference line) and ``OUT_DIR/unbiasedness.json``.
+Computation is FP32 (no autocast), on ``--device`` (CPU by default). Only the chosen weights require
+gradients, so each draw back-propagates from the loss down to the chosen layers and computes no
+other weight gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import quant  # noqa: E402
+from model import build_model  # noqa: E402
+from model.llama import Llama  # noqa: E402
+
+DEFAULT_SCHEMES = ["nvidia", "four_over_six", "tetrajet_v2", "quartet2", "nvidia+sr46"]
+DEFAULT_LAYERS = ["blocks.0.attn.qkv"]
+CONTROL_SUFFIX = "+sr46"
+
+
+class StudyError(ValueError):
+    """A bad argument; the message says how to fix it."""
+
+
+def scheme_of(spec: str) -> quant.Scheme:
+    """``NAME`` or ``NAME+sr46``, with backward-only quantization."""
+    name, control = (spec[: -len(CONTROL_SUFFIX)], True) if spec.endswith(CONTROL_SUFFIX) else (spec, False)
+    if name not in quant.SCHEMES:
+        raise StudyError(f"unknown scheme {spec!r}; choose from {sorted(quant.SCHEMES)}, optionally with "
+                         f"'{CONTROL_SUFFIX}' for the biased 4/6-on-SR control (e.g. nvidia{CONTROL_SUFFIX})")
+    scheme = quant.get_scheme(name, forward=False, sr_four_over_six=control)
+    if scheme.is_identity:
+        raise StudyError(f"scheme {spec!r} quantizes nothing in the backward pass; nothing to study")
+    return scheme
+
+
+def scheme_label(spec: str) -> str:
+    if spec.endswith(CONTROL_SUFFIX):
+        return f"{spec[: -len(CONTROL_SUFFIX)]}+4/6-on-SR (biased control)"
+    return spec
+
+
+def load_model(spec: str, seed: int, device: str) -> tuple[Llama, dict, str]:
+    """A preset name (``configs/model/<name>.yaml``, random init) or a consolidated checkpoint."""
+    path = Path(spec)
+    if path.suffix in (".pt", ".pth") or path.is_file():
+        if not path.is_file():
+            raise StudyError(f"checkpoint {path} not found. Fix: export one with "
+                             f"python scripts/export_checkpoint.py runs/<run>/checkpoints/step_N {path}")
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
+            raise StudyError(f"{path} is not a consolidated checkpoint of scripts/export_checkpoint.py "
+                             f"(expected a dict with 'model' and 'config')")
+        cfg = dict(ckpt["config"]["model"])
+        model = build_model(cfg, device=device)
+        model.load_state_dict(ckpt["model"])
+        return model, cfg, f"{path} (step {ckpt.get('step')})"
+    preset = REPO / "configs" / "model" / f"{spec}.yaml"
+    if not preset.is_file():
+        names = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml"))
+        raise StudyError(f"no model preset {spec!r} and no checkpoint file of that name; presets: {names}")
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.load(preset), resolve=True)
+    torch.manual_seed(seed)
+    model = build_model(cfg, device=device)
+    return model, cfg, f"preset {spec} (random init, seed {seed})"
+
+
+def fixed_batch(cfg: dict, batch: int, seq_len: int, seed: int, data: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if seq_len > cfg["max_seq_len"]:
+        raise StudyError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg['max_seq_len']}")
+    if data is not None:
+        from data.loader import val_batches
+
+        x, y = next(iter(val_batches(data, seq_len, batch, 1)))
+        if int(max(x.max(), y.max())) >= cfg["vocab_size"]:
+            raise StudyError(f"token ids of {data} exceed the model's vocabulary ({cfg['vocab_size']})")
+        return x, y
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def resolve_layers(model: Llama, names: list[str]) -> list[str]:
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    block_linears = [n for n in linears if n.startswith("blocks.")]
+    for n in names:
+        if n not in linears:
+            raise StudyError(f"no linear layer {n!r}; block linears are e.g. {block_linears[:4]} "
+                             f"(blocks.<i>.attn.qkv|attn.proj|mlp.up_gate|mlp.down)")
+        if n not in block_linears:
+            raise StudyError(f"{n!r} is not quantized by any scheme (only block linears are); "
+                             f"choose one of blocks.<i>.attn.qkv|attn.proj|mlp.up_gate|mlp.down")
+    return names
+
+
+def b_values(max_b: int, ratio: int) -> list[int]:
+    if max_b < 1 or ratio < 2:
+        raise StudyError("--max-b must be ≥ 1 and --ratio ≥ 2")
+    bs, b = [], 1
+    while b <= max_b:
+        bs.append(b)
+        b *= ratio
+    if bs[-1] != max_b:
+        bs.append(max_b)
+    return bs
+
+
+def loglog_slope(bs: list[int], errs: list[float]) -> float:
+    """Least-squares slope of log(err) against log(B)."""
+    pts = [(math.log(b), math.log(e)) for b, e in zip(bs, errs) if e > 0]
+    if len(pts) < 2:
+        return float("nan")
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+@dataclass
+class Curve:
+    scheme: str
+    layer: str
+    bs: list[int]
+    errors: list[float]
+    slope: float
+    z2: float | None  # mean squared z-score of the mean at the largest B
+    bias2: float | None  # estimated ‖E Ĝ − G‖² / ‖G‖²: err(B) minus the variance share, at the largest B
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _weights(model: Llama, layers: list[str]) -> list[torch.Tensor]:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ws = [model.get_submodule(n).weight for n in layers]
+    for w in ws:
+        w.requires_grad_(True)
+    return ws
+
+
+def _loss(model: Llama, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def study(
+    model: Llama,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    schemes: list[str],
+    layers: list[str],
+    max_b: int,
+    ratio: int = 4,
+    seed: int = 0,
+    log=print,
+) -> list[Curve]:
+    """err(B) per scheme and layer (see the module docstring)."""
+    for s in schemes:
+        scheme_of(s)  # fail on a bad name before any work
+    resolve_layers(model, layers)
+    bs = b_values(max_b, ratio)
+    device = next(model.parameters()).device
+    x, y = x.to(device), y.to(device)
+
+    exact_model = copy.deepcopy(model)
+    ws = _weights(exact_model, layers)
+    exact = [g.double() for g in torch.autograd.grad(_loss(exact_model, x, y), ws)]
+    norms = [g.square().sum().item() for g in exact]
+    for n, layer in zip(norms, layers):
+        if n == 0:
+            raise StudyError(f"the exact gradient of {layer} is zero on this batch; choose another layer")
+    del exact_model
+
+    curves = []
+    quant.set_quant_rng(seed=seed, rank=0)
+    for spec in schemes:
+        t0 = time.perf_counter()
+        qmodel = copy.deepcopy(model)
+        quant.quantize_model(qmodel, scheme_of(spec))
+        ws = _weights(qmodel, layers)
+        loss = _loss(qmodel, x, y)  # exact forward: the same graph serves every draw
+        sums = [torch.zeros_like(g) for g in exact]
+        squares = [torch.zeros_like(g) for g in exact]
+        errors: list[list[float]] = [[] for _ in layers]
+        for i in range(1, max_b + 1):
+            with quant.quant_step(i):
+                grads = torch.autograd.grad(loss, ws, retain_graph=i < max_b)
+            for k, g in enumerate(grads):
+                g = g.double()
+                sums[k] += g
+                squares[k] += g * g
+                if i in bs:
+                    errors[k].append((sums[k] / i - exact[k]).square().sum().item() / norms[k])
+        seconds = time.perf_counter() - t0
+        for k, layer in enumerate(layers):
+            z2 = bias2 = None
+            if max_b >= 4:
+                mean = sums[k] / max_b
+                var = ((squares[k] - max_b * mean * mean) / (max_b - 1)).clamp_min(0)
+                ok = var > 1e-12 * var.max().clamp_min(1e-300)
+                z2 = (max_b * (mean - exact[k]).square()[ok] / var[ok]).mean().item()
+                bias2 = errors[k][-1] - var.sum().item() / max_b / norms[k]
+            c = Curve(spec, layer, bs, errors[k], loglog_slope(bs, errors[k]), z2, bias2, seconds)
+            curves.append(c)
+            log(f"{scheme_label(spec)}, {layer}: err(1) {c.errors[0]:.4g}, err({max_b}) {c.errors[-1]:.3g}, "
+                f"slope {c.slope:+.3f}" + (f", z² {z2:.3g}, bias² {bias2:.2g}" if z2 is not None else "")
+                + f" ({seconds:.1f} s)")
+        del qmodel, loss
+    return curves
+
+
+def markdown(curves: list[Curve], header: str = "") -> str:
+    out = [header, ""] if header else []
+    for layer in dict.fromkeys(c.layer for c in curves):
+        cs = [c for c in curves if c.layer == layer]
+        out += [f"### {layer}: ‖mean of B backward passes − exact‖² / ‖exact‖² (weight gradient)", "",
+                "| B | " + " | ".join(scheme_label(c.scheme) for c in cs) + " |",
+                "|---:|" + "---:|" * len(cs)]
+        for i, b in enumerate(cs[0].bs):
+            out.append(f"| {b} | " + " | ".join(f"{c.errors[i]:.3e}" for c in cs) + " |")
+        out.append("| **log-log slope** | " + " | ".join(f"**{c.slope:+.3f}**" for c in cs) + " |")
+        b = cs[0].bs[-1]
+        out.append(f"| z² at B={b} | " + " | ".join("—" if c.z2 is None else f"{c.z2:.3g}" for c in cs) + " |")
+        out.append(f"| bias² estimate | " + " | ".join("—" if c.bias2 is None else f"{c.bias2:.1e}" for c in cs)
+                   + " |")
+        out.append("")
+    out += ["Slope −1: the error of the mean falls as 1/B (unbiased); a flatter slope, an error that stops "
+            "falling, is a bias floor. z² (mean over the gradient's elements of B·(mean − exact)²/variance "
+            "at the largest B) is ≈ 1 for an unbiased estimator and grows in proportion to B with a bias. "
+            "bias² estimate: err(B) minus the variance share tr(Σ)/(B·‖G‖²), i.e. the floor err(B) "
+            "would reach for B → ∞ (≈ 0 when unbiased, noisy at the level of err(B)/√B).", ""]
+    return "\n".join(out)
+
+
+def plot(curves: list[Curve], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(dict.fromkeys(c.layer for c in curves))
+    fig, axes = plt.subplots(1, len(layers), figsize=(5.2 * len(layers), 4.2), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        cs = [c for c in curves if c.layer == layer]
+        for c in cs:
+            ax.plot(c.bs, c.errors, marker="o", ms=4, ls="--" if c.scheme.endswith(CONTROL_SUFFIX) else "-",
+                    label=f"{scheme_label(c.scheme)} (slope {c.slope:+.2f})")
+        bs = cs[0].bs
+        anchor = math.exp(sum(math.log(c.errors[0]) for c in cs) / len(cs))
+        ax.plot(bs, [anchor / b for b in bs], color="black", lw=1, ls=":", label="∝ 1/B")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("B (backward passes averaged)")
+        ax.set_ylabel("‖mean Ĝ − G‖² / ‖G‖²")
+        ax.set_title(f"{layer} weight gradient", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="a preset of configs/model/ or an exported checkpoint .pt")
+    p.add_argument("--schemes", nargs="+", default=DEFAULT_SCHEMES, metavar="SCHEME",
+                   help=f"scheme names, NAME{CONTROL_SUFFIX} for the biased control (default: %(default)s)")
+    p.add_argument("--layers", nargs="+", default=DEFAULT_LAYERS, metavar="NAME",
+                   help="block linears whose weight gradient is studied (default: %(default)s)")
+    p.add_argument("--max-b", type=int, default=1024, help="largest number of draws averaged (default 1024)")
+    p.add_argument("--ratio", type=int, default=4, help="B = 1, r, r², … up to --max-b (default 4)")
+    p.add_argument("--batch", type=int, default=4, help="sequences in the fixed batch (default 4)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--data", type=Path, help="prepared dataset dir: use its first validation batch")
+    p.add_argument("--seed", type=int, default=0, help="model init, batch and quantizer seed")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads (default 1: the emulated quantizers run many small ops, which "
+                        "extra threads slow down on small models; raise it for large ones)")
+    p.add_argument("--out-dir", type=Path, default=Path("unbiasedness"), help="where the md/png/json go")
+    a = p.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(a.threads)
+    try:
+        torch.manual_seed(a.seed)
+        model, cfg, what = load_model(a.model, a.seed, a.device)
+        x, y = fixed_batch(cfg, a.batch, a.seq_len, a.seed, a.data)
+        curves = study(model, x, y, a.schemes, a.layers, a.max_b, a.ratio, a.seed,
+                       log=lambda m: print(m, file=sys.stderr))
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        torch.set_num_threads(threads)
+    header = (f"## Backward-pass unbiasedness: {what}, batch {a.batch}×{a.seq_len} tokens, "
+              f"backward-only quantization, FP32")
+    text = markdown(curves, header)
+    print(text)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    (a.out_dir / "unbiasedness.md").write_text(text + "\n")
+    (a.out_dir / "unbiasedness.json").write_text(json.dumps({
+        "model": what, "batch": a.batch, "seq_len": a.seq_len, "seed": a.seed,
+        "curves": [{"scheme": c.scheme, "label": scheme_label(c.scheme), "layer": c.layer, "B": c.bs,
+                    "rel_sq_error": c.errors, "slope": c.slope, "z2_at_max_b": c.z2, "bias2_estimate": c.bias2,
+                    "seconds": c.seconds}
+                   for c in curves]}, indent=2) + "\n")
+    print(f"plot: {plot(curves, a.out_dir / 'unbiasedness.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

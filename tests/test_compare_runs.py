@@ -1,0 +1,305 @@
+"""Tests of scripts/compare_runs.py on hand-made run folders: trainer-style run dirs
+(metrics.jsonl + summary.json + a config) and real offline W&B runs written by ``wandb.init``,
+read back through the script's own ``.wandb`` parser. A few seconds, mostly W&B's start-up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import compare_runs as cr
+
+REPO = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+P30 = 30_482_560  # SPEC §4 non-embedding parameters of 30m
+P50 = 49_556_736
+T25 = 25 * P30  # a 25 tokens/param budget of 30m (tokens as the trainer's summary gives them)
+T100 = 100 * P30
+
+
+def local_run(root: Path, name: str, *, model: str, scheme: str, seed: int, tokens: int | None,
+              params: int, final: float | None, curve: dict[int, float], config: str = "hydra",
+              tpp: float | None = None, quant_extra: dict | None = None) -> Path:
+    """A trainer-like run dir: metrics.jsonl, summary.json (unless ``final`` is None), a config."""
+    d = root / name
+    d.mkdir(parents=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        for step in sorted(curve):
+            f.write(json.dumps({"step": step, "train/loss": curve[step] + 0.1, "val/loss": curve[step]}) + "\n")
+    if final is not None:
+        (d / "summary.json").write_text(json.dumps({
+            "final_val_loss": final, "steps": max(curve), "tokens": tokens, "non_embedding_params": params,
+            "scheme": scheme, "model": model, "world_size": 1}))
+    cfg = {"seed": seed, "model": {"name": model}, "quant": {"name": scheme, "sr_four_over_six": False,
+                                                              **(quant_extra or {})},
+           "train": {"tokens_per_param": tpp, "steps": 300}}
+    if config == "hydra":
+        (d / ".hydra").mkdir()
+        import yaml
+
+        (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    elif config == "json":
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def offline_wandb_run(root: Path, *, name: str, config: dict, summary: dict, curve: dict[int, float],
+                      run_id: str | None = None, resume: bool = False) -> Path:
+    """A real offline W&B run (what the trainer's Tracker writes) under ``root/wandb/``."""
+    import wandb
+
+    root.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(mode="offline", dir=str(root), project="compare-test", name=name, config=config,
+                     id=run_id, resume="allow" if resume else None)
+    for step in sorted(curve):
+        run.log({"train/loss": curve[step] + 0.1, "val/loss": curve[step]}, step=step)
+    for k, v in summary.items():
+        run.summary[k] = v
+    run.finish()
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    # 30m at 25 tokens/param: BF16 and NVIDIA with two seeds each (paired by seed).
+    local_run(root, "30m-bf16-25tpp-s0", model="30m", scheme="bf16", seed=0, tokens=T25, params=P30, final=3.50,
+              curve={100: 4.0, 200: 3.6, 300: 3.50})
+    local_run(root, "30m-bf16-25tpp-s1", model="30m", scheme="bf16", seed=1, tokens=T25, params=P30, final=3.52,
+              curve={100: 4.0, 200: 3.6, 300: 3.52}, config="json")
+    local_run(root, "30m-nvidia-25tpp-s0", model="30m", scheme="nvidia", seed=0, tokens=T25, params=P30,
+              final=3.56, curve={100: 4.1, 200: 3.65, 300: 3.56})
+    local_run(root, "sub/30m-nvidia-25tpp-s1", model="30m", scheme="nvidia", seed=1, tokens=T25, params=P30,
+              final=3.57, curve={100: 4.1, 200: 3.67, 300: 3.57}, config="none")
+    # The biased control, labelled by its ablation switch, paired with the same BF16 runs.
+    local_run(root, "ctrl", model="30m", scheme="nvidia", seed=0, tokens=T25, params=P30, final=3.60,
+              curve={300: 3.60}, quant_extra={"sr_four_over_six": True})
+    # Mismatched budgets: NVIDIA at 100 tokens/param has no BF16 run of that budget, and a run
+    # 262,144 tokens off the 25 tokens/param budget must not pair with it either.
+    local_run(root, "30m-nvidia-100tpp-s0", model="30m", scheme="nvidia", seed=0, tokens=T100, params=P30,
+              final=3.30, curve={300: 3.30})
+    local_run(root, "30m-tetrajet_v2-odd-s0", model="30m", scheme="tetrajet_v2", seed=0, tokens=T25 + 262_144,
+              params=P30, final=3.55, curve={300: 3.55})
+    # Missing baseline: no BF16 run of 50m at all.
+    local_run(root, "50m-quartet2-25tpp-s0", model="50m", scheme="quartet2", seed=0, tokens=25 * P50, params=P50,
+              final=3.40, curve={300: 3.40})
+    # Unfinished: metrics but no summary.json.
+    local_run(root, "30m-four_over_six-25tpp-s0", model="30m", scheme="four_over_six", seed=0, tokens=T25,
+              params=P30, final=None, curve={100: 4.2})
+    # A real offline W&B run of quartet2 (seed 0), outside any trainer run dir.
+    offline_wandb_run(root / "wandb_only", name="30m-quartet2-25tpp-s0",
+                      config={"seed": 0, "model": {"name": "30m"}, "quant": {"name": "quartet2"},
+                              "train": {"tokens_per_param": 25}},
+                      summary={"final_val_loss": 3.545, "tokens": T25, "non_embedding_params": P30,
+                               "scheme": "quartet2", "model": "30m"},
+                      curve={100: 4.05, 200: 3.62, 300: 3.545})
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(runs_root):
+    runs, notes = cr.collect_paths([runs_root])
+    return cr.compare(runs, notes=notes)
+
+
+def _row(rows, scheme, tokens=T25, model="30m"):
+    found = [r for r in rows if r.scheme == scheme and r.tokens == tokens and r.model == model]
+    assert len(found) == 1, [(r.model, r.scheme, r.tokens) for r in rows]
+    return found[0]
+
+
+def test_offline_wandb_file_parses_config_summary_and_history(runs_root):
+    folders = cr.wandb_run_folders(runs_root / "wandb_only")
+    assert len(folders) == 1 and folders[0].name.startswith("offline-run-")
+    (log,) = cr.read_wandb_folders(folders)
+    assert log.name == "30m-quartet2-25tpp-s0" and log.project == "compare-test" and log.run_id
+    assert log.config["model"] == {"name": "30m"} and log.config["seed"] == 0
+    assert log.summary["final_val_loss"] == 3.545 and log.summary["tokens"] == T25
+    assert {int(r["_step"]): r["val/loss"] for r in log.history} == {100: 4.05, 200: 3.62, 300: 3.545}
+
+
+def test_truncated_wandb_file_keeps_the_records_before_the_cut(runs_root, tmp_path):
+    src = cr._wandb_file(cr.wandb_run_folders(runs_root / "wandb_only")[0])
+    data = src.read_bytes()
+    cut = tmp_path / "run-cut.wandb"
+    cut.write_bytes(data[: len(data) // 2])
+    log = cr.parse_wandb_file(cut)
+    assert log.config["model"] == {"name": "30m"}  # the run record comes first
+    assert len(log.history) < 3
+    bad = tmp_path / "run-bad.wandb"
+    bad.write_bytes(b"not a wandb file")
+    with pytest.raises(cr.CompareError, match="not a W&B transaction log"):
+        cr.parse_wandb_file(bad)
+
+
+def test_gaps_are_paired_by_seed_and_averaged(report):
+    nv = _row(report.rows, "nvidia")
+    assert nv.n == 2 and nv.paired
+    assert nv.gap == pytest.approx(((3.56 - 3.50) + (3.57 - 3.52)) / 2)
+    assert nv.gap_sd == pytest.approx(((0.06 - 0.055) ** 2 * 2) ** 0.5)
+    assert nv.baseline_loss == pytest.approx(3.51) and nv.final_loss == pytest.approx(3.565)
+    assert nv.tokens_per_param == pytest.approx(25.0) and nv.params == P30
+    q2 = _row(report.rows, "quartet2")  # from the offline W&B run
+    assert q2.n == 1 and q2.gap == pytest.approx(3.545 - 3.50)
+    assert [r.source for r in q2.runs] == ["wandb-offline"]
+    ctrl = _row(report.rows, "nvidia[sr_four_over_six=True]")
+    assert ctrl.gap == pytest.approx(0.10)
+    base = _row(report.rows, "bf16")
+    assert base.gap is None and base.n == 2
+
+
+def test_gap_along_training_at_common_steps(report):
+    nv = _row(report.rows, "nvidia")
+    assert nv.curve == pytest.approx({100: 0.1, 200: (0.05 + 0.07) / 2, 300: 0.055})
+    q2 = _row(report.rows, "quartet2")
+    assert q2.curve == pytest.approx({100: 0.05, 200: 0.02, 300: 0.045})
+
+
+def test_mismatched_budgets_and_missing_baselines_are_listed_not_paired(report):
+    unmatched = {(r.model, r.scheme, r.tokens) for r in report.unmatched}
+    assert unmatched == {("30m", "nvidia", T100), ("30m", "tetrajet_v2", T25 + 262_144), ("50m", "quartet2", 25 * P50)}
+    assert all(r.gap is None for r in report.unmatched)
+    assert {(r.scheme, r.tokens) for r in report.rows} == {
+        ("bf16", T25), ("nvidia", T25), ("nvidia[sr_four_over_six=True]", T25), ("quartet2", T25)}
+    assert [r.name for r in report.incomplete] == ["30m-four_over_six-25tpp-s0"]
+
+
+def test_markdown_has_the_sections(report):
+    text = cr.markdown(report)
+    assert "| 30m | 30,482,560 | 762,064,000 | 25 | nvidia | 3.5650 | 3.5100 | +0.0550 ± 0.0071 | 2 |" in text
+    assert "| 30m | 30,482,560 | 762,064,000 | 25 | quartet2 | 3.5450 | 3.5000 | +0.0450 | 1 |" in text
+    section = text.split("## Runs without a matching bf16 baseline")[1].split("##")[0]
+    assert "50m-quartet2-25tpp-s0" in section and "30m-nvidia-100tpp-s0" in section
+    assert "## Runs without a final validation loss" in text
+    assert "### Loss gap to bf16, 30m" in text and "| 25 | +0.0550 | +0.1000 | +0.0450 |" in text
+
+
+def test_plots_are_written(report, tmp_path):
+    gap = cr.plot_gaps(report, tmp_path / "gap.png")
+    curves = cr.plot_curves(report, tmp_path / "curves.png")
+    for p in (gap, curves):
+        data = p.read_bytes()
+        assert data[:8] == PNG and len(data) > 5000
+
+
+def test_cli_end_to_end(runs_root, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = cr.main([str(runs_root), "--plot", str(out / "gap.png"), "--curves", str(out / "curves.png"),
+                  "--out", str(out / "report.md"), "--json", str(out / "report.json"), "--writeback"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert (out / "gap.png").read_bytes()[:8] == PNG and (out / "curves.png").read_bytes()[:8] == PNG
+    assert (out / "report.md").read_text().strip() in printed
+    data = json.loads((out / "report.json").read_text())
+    assert {r["scheme"] for r in data["rows"]} >= {"nvidia", "quartet2"}
+    assert len(data["no_baseline"]) == 3
+    assert "--writeback" in printed and "skipped" in printed  # file runs cannot be written back
+
+
+def test_script_runs_as_a_command(runs_root, tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(runs_root), "--plot",
+                           str(tmp_path / "g.png")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Final validation loss and loss gap to bf16" in proc.stdout
+    assert (tmp_path / "g.png").read_bytes()[:8] == PNG
+
+
+def test_empty_inputs_fail_clearly(tmp_path, capsys):
+    assert cr.main([str(tmp_path)]) == 1
+    assert "no runs found" in capsys.readouterr().err
+    assert cr.main([str(tmp_path / "missing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cr.main([])
+    with pytest.raises(cr.CompareError, match="no runs found"):
+        cr.compare([])
+
+
+def test_only_unpaired_runs_make_no_plot_but_a_table(tmp_path, capsys):
+    local_run(tmp_path, "50m-quartet2-25tpp-s0", model="50m", scheme="quartet2", seed=0, tokens=25 * P50,
+              params=P50, final=3.40, curve={300: 3.40})
+    assert cr.main([str(tmp_path), "--plot", str(tmp_path / "g.png")]) == 0
+    out = capsys.readouterr().out
+    assert "Runs without a matching bf16 baseline" in out and "no loss-gap plot" in out
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_unpaired_seeds_fall_back_to_means(tmp_path):
+    local_run(tmp_path, "a", model="30m", scheme="bf16", seed=0, tokens=T25, params=P30, final=3.5, curve={1: 3.5})
+    local_run(tmp_path, "b", model="30m", scheme="nvidia", seed=7, tokens=T25, params=P30, final=3.6, curve={1: 3.6})
+    runs, notes = cr.collect_paths([tmp_path])
+    report = cr.compare(runs, notes=notes)
+    row = _row(report.rows, "nvidia")
+    assert not row.paired and row.gap == pytest.approx(0.1)
+    assert "(unpaired)" in cr.markdown(report)
+
+
+def test_resumed_offline_run_folders_merge_and_duplicates_count_once(tmp_path, runs_root):
+    root = tmp_path / "resumed"
+    cfg = {"seed": 0, "model": {"name": "30m"}, "quant": {"name": "nvidia"}}
+    offline_wandb_run(root, name="30m-nvidia-25tpp-s0", config=cfg, summary={}, curve={100: 4.1}, run_id="resume01")
+    offline_wandb_run(root, name="30m-nvidia-25tpp-s0", config=cfg, run_id="resume01", resume=True,
+                      summary={"final_val_loss": 3.56, "tokens": T25, "non_embedding_params": P30},
+                      curve={200: 3.65, 300: 3.56})
+    assert len(cr.wandb_run_folders(root)) == 2
+    runs, _ = cr.collect_paths([root])
+    assert len(runs) == 1
+    assert runs[0].val_curve == {100: 4.1, 200: 3.65, 300: 3.56} and runs[0].final_val_loss == 3.56
+    # The same run found again (here: the local copy of 30m-nvidia-25tpp-s0) is counted once.
+    shutil.copytree(runs_root / "30m-bf16-25tpp-s0", tmp_path / "30m-bf16-25tpp-s0")
+    runs, notes = cr.collect_paths([root, runs_root / "30m-nvidia-25tpp-s0", tmp_path / "30m-bf16-25tpp-s0"])
+    report = cr.compare(runs, notes=notes)
+    assert _row(report.rows, "nvidia").n == 1
+    assert any("duplicate" in n for n in report.notes)
+
+
+class _FakeSummary(dict):
+    def __init__(self, data):
+        super().__init__(data)
+        self.updates = 0
+
+    def update(self, *args, **kw):  # wandb's Summary.update() with no arguments pushes to the server
+        if args or kw:
+            super().update(*args, **kw)
+        else:
+            self.updates += 1
+
+
+class _FakeRun:
+    def __init__(self, rid, name, scheme, final, curve):
+        self.id, self.name = rid, name
+        self.config = {"seed": 0, "model": {"name": "30m"}, "quant": {"name": scheme}, "_wandb": {}}
+        self.summary = _FakeSummary({"final_val_loss": final, "tokens": T25, "non_embedding_params": P30,
+                                     "_step": max(curve)})
+        self._curve = curve
+
+    def scan_history(self, keys=None):
+        return [{"_step": s, "val/loss": v} for s, v in self._curve.items()]
+
+
+class _FakeApi:
+    def __init__(self, runs):
+        self._runs = runs
+
+    def runs(self, path):
+        assert path == "team/proj"
+        return self._runs
+
+
+def test_wandb_api_source_and_writeback():
+    base = _FakeRun("r1", "30m-bf16-25tpp-s0", "bf16", 3.5, {100: 4.0, 300: 3.5})
+    q2 = _FakeRun("r2", "30m-quartet2-25tpp-s0", "quartet2", 3.55, {100: 4.1, 300: 3.55})
+    runs = cr.collect_wandb_project("team/proj", api=_FakeApi([base, q2]))
+    report = cr.compare(runs)
+    row = _row(report.rows, "quartet2")
+    assert row.gap == pytest.approx(0.05) and row.curve == pytest.approx({100: 0.1, 300: 0.05})
+    messages = []
+    assert cr.writeback([r for r in report.rows if r.gap is not None], log=messages.append) == 1
+    assert q2.summary["loss_gap"] == pytest.approx(0.05) and q2.summary.updates == 1
+    assert q2.summary["loss_gap_baseline"] == pytest.approx(3.5)
+    assert "loss_gap" not in base.summary
