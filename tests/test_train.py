@@ -409,3 +409,17 @@ def test_cli_reports_run_errors_without_traceback(data_cache, tmp_path):
     assert proc.returncode == 1
     assert "error: train.seq_len=512 exceeds model.max_seq_len=256" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_compiled_blocks_train_like_eager(tiny, tmp_path, monkeypatch):
+    """compile=true (per-block torch.compile, model/parallel.py) trains a quantized model and
+    gives the eager losses up to kernel-fusion rounding (fp32: relative 1e-4)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    overrides = ("precision=fp32", "train.steps=2", "train.batch_size=4", "train.micro_batch_size=4",
+                 "train.eval_batches=1", "train.ckpt_every=1000")
+    eager = train.run(tiny(*overrides, run="eager"))
+    compiled = train.run(tiny(*overrides, "compile=true", run="compiled"))
+    a, b = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
+    for step in (1, 2):
+        assert b[step]["train/loss"] == pytest.approx(a[step]["train/loss"], rel=1e-4)
+    assert compiled["final_val_loss"] == pytest.approx(eager["final_val_loss"], rel=1e-4)
