@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,8 +57,11 @@ def test_fsdp2_matches_one_process_on_the_same_global_batch(tmp_path, compose_tr
     single = tmp_path / "single"
     torch.set_num_threads(1)
     train.run(compose_train(_overrides(single, data_cache, *extra)))
-    torchrun(tmp_path, [{"overrides": _overrides(tmp_path / "fsdp", data_cache, *extra)}])
+    torchrun(tmp_path, [{"overrides": _overrides(tmp_path / "fsdp", data_cache, *extra)},
+                        {"overrides": _overrides(tmp_path / "hsdp", data_cache, *extra, "parallel.replicate=2")}])
     a, b = losses(single), losses(tmp_path / "fsdp")
+    hsdp = losses(tmp_path / "hsdp")  # a (2 replicas × 1 shard) mesh: replicate across, shard within
+    assert max(abs(a[s] - hsdp[s]) for s in a) < 1e-5
     assert sorted(a) == sorted(b) == list(range(1, 7))
     assert max(abs(a[s] - b[s]) for s in a) < 1e-5
     va, vb = val_losses(single), val_losses(tmp_path / "fsdp")
@@ -130,3 +134,21 @@ def test_export_consolidates_a_sharded_checkpoint(tmp_path, data_cache):
     model = build_model(blob["config"]["model"])
     model.load_state_dict(blob["model"])
     assert blob["step"] == 2 and blob["config"]["quant"]["name"] == "quartet2"
+
+
+def test_async_checkpoints_resume_exactly(tmp_path, compose_train, data_cache):
+    """train.async_checkpoint=true: saves finish in the background, are completed before the next
+    one, and a resumed run continues exactly."""
+    extra = ("quant=quartet2", "precision=fp32", "train.steps=4", "train.ckpt_every=2",
+             "train.async_checkpoint=true", "train.keep_checkpoints=3")
+    whole = tmp_path / "whole"
+    train.run(compose_train(_overrides(whole, data_cache, *extra)))
+    assert [s for s, _ in Checkpointer(whole / "checkpoints").all()] == [2, 4]
+    part = tmp_path / "part"
+    train.run(compose_train(_overrides(part, data_cache, *extra)))
+    shutil.rmtree(part / "checkpoints" / "step_00000004")  # as if killed after step 2's save
+    lines = (part / "metrics.jsonl").read_text().splitlines()[:2]
+    (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    train.run(compose_train(_overrides(part, data_cache, *extra)))
+    assert "resuming at step 2" in (part / "train.log").read_text()
+    assert losses(part) == losses(whole)
