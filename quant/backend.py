@@ -32,34 +32,32 @@ _draws: str | None = None
 _triton_ok: bool | None = None
 
 
+def _checked(name: str, allowed: tuple[str, ...], what: str) -> str:
+    if name not in allowed:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {allowed}")
+    return name
+
+
 def set_backend(name: str | None) -> None:
     """``"auto"``, ``"reference"`` or ``"triton"``; ``None`` goes back to ``NVFP4_BACKEND``/auto."""
     global _backend
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"unknown quantizer backend {name!r}; choose one of {BACKENDS}")
-    _backend = name
+    _backend = None if name is None else _checked(name, BACKENDS, "quantizer backend")
 
 
 def get_backend() -> str:
     name = _backend if _backend is not None else os.environ.get("NVFP4_BACKEND", "auto")
-    if name not in BACKENDS:
-        raise ValueError(f"NVFP4_BACKEND={name!r} is not one of {BACKENDS}")
-    return name
+    return _checked(name, BACKENDS, "quantizer backend (NVFP4_BACKEND)")
 
 
 def set_draws(name: str | None) -> None:
     """``"philox"`` or ``"torch"`` (see the module docstring); ``None``: ``NVFP4_DRAWS``/philox."""
     global _draws
-    if name is not None and name not in DRAWS:
-        raise ValueError(f"unknown draw mode {name!r}; choose one of {DRAWS}")
-    _draws = name
+    _draws = None if name is None else _checked(name, DRAWS, "draw mode")
 
 
 def get_draws() -> str:
     name = _draws if _draws is not None else os.environ.get("NVFP4_DRAWS", "philox")
-    if name not in DRAWS:
-        raise ValueError(f"NVFP4_DRAWS={name!r} is not one of {DRAWS}")
-    return name
+    return _checked(name, DRAWS, "draw mode (NVFP4_DRAWS)")
 
 
 @contextmanager
