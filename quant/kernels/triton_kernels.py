@@ -188,6 +188,17 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, offs_m, offs_k, M, K,
 
 
 @triton.jit
+def _expand_scale(s, BM: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, TILE2D: tl.constexpr):
+    """Block scales broadcast to the ``[BM, BK]`` tile: one per 16×16 tile (``TILE2D``, ``s`` is
+    ``[BM/16, G]``) or one per 1×16 group (``s`` is ``[BM, G]``)."""
+    if TILE2D:
+        se = tl.reshape(tl.broadcast_to(tl.reshape(s, (BM // 16, 1, G, 1)), (BM // 16, 16, G, 16)), (BM, BK))
+    else:
+        se = tl.reshape(tl.broadcast_to(tl.reshape(s, (BM, G, 1)), (BM, G, 16)), (BM, BK))
+    return se
+
+
+@triton.jit
 def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, stride_k, P_C,
                 SRC: tl.constexpr, PT: tl.constexpr, HAS_SCALE: tl.constexpr,
                 ROT: tl.constexpr, LOG_ROT: tl.constexpr, INV_SQRT: tl.constexpr,
@@ -246,10 +257,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
             u = tl.rand(tl.load(seed_ptr), offs_m[:, None] * K + offs_k[None, :])
 
     s6, bits6 = _block_scale(raw)
-    if TILE2D:
-        s6e = tl.reshape(tl.broadcast_to(tl.reshape(s6, (BM // 16, 1, G, 1)), (BM // 16, 16, G, 16)), (BM, BK))
-    else:
-        s6e = tl.reshape(tl.broadcast_to(tl.reshape(s6, (BM, G, 1)), (BM, G, 16)), (BM, BK))
+    s6e = _expand_scale(s6, BM, BK, G, TILE2D)
     x_s = tl.math.div_rn(x, s6e * s_t)
     if MODE == 1:
         q, code = _sr_e2m1(x_s, u)
@@ -260,10 +268,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
 
     if FOUR_SIX:
         s4, bits4 = _block_scale(raw * 1.5)
-        if TILE2D:
-            s4e = tl.reshape(tl.broadcast_to(tl.reshape(s4, (BM // 16, 1, G, 1)), (BM // 16, 16, G, 16)), (BM, BK))
-        else:
-            s4e = tl.reshape(tl.broadcast_to(tl.reshape(s4, (BM, G, 1)), (BM, G, 16)), (BM, BK))
+        s4e = _expand_scale(s4, BM, BK, G, TILE2D)
         x_s4 = tl.math.div_rn(x, s4e * s_t)
         if MODE == 1:
             q4, code4 = _sr_e2m1(x_s4, u)
@@ -305,10 +310,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
-        if TILE2D:
-            se = tl.reshape(tl.broadcast_to(tl.reshape(s_out, (BM // 16, 1, G, 1)), (BM // 16, 16, G, 16)), (BM, BK))
-        else:
-            se = tl.reshape(tl.broadcast_to(tl.reshape(s_out, (BM, G, 1)), (BM, G, 16)), (BM, BK))
+        se = _expand_scale(s_out, BM, BK, G, TILE2D)
         mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
         vptrs = val_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
         tl.store(vptrs, (q * se).to(tl.bfloat16), mask=mask)
