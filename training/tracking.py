@@ -92,12 +92,17 @@ class Tracker:
                 mode=mode,
             )
 
-    def info(self, msg: str) -> None:
-        if self.bar is not None:
-            self.bar.write(msg)
-            self._handler.emit(logging.LogRecord("train", logging.INFO, "", 0, msg, None, None))
-        else:
+    def _line(self, msg: str, above_bar: bool) -> None:
+        """``msg`` to train.log, and to stdout; with a progress bar, stdout only if ``above_bar``."""
+        if self.bar is None:
             log.info(msg)
+            return
+        self._handler.emit(logging.LogRecord("train", logging.INFO, "", 0, msg, None, None))
+        if above_bar:
+            self.bar.write(msg)
+
+    def info(self, msg: str) -> None:
+        self._line(msg, above_bar=True)
 
     def log(self, step: int, metrics: dict[str, Any], line: bool = True) -> None:
         metrics = _clean(metrics)
@@ -112,19 +117,18 @@ class Tracker:
             loss = metrics.get("train/loss")
             tps = metrics.get("perf/tokens_per_s")
             self.bar.set_postfix_str(f"loss={loss:.4f} tok/s={tps:.0f}" if loss is not None and tps else "")
-            self._handler.emit(logging.LogRecord("train", logging.INFO, "", 0, f"step {step} {text}", None, None))
-        else:
-            log.info(f"step {step} {text}")
+        self._line(f"step {step} {text}", above_bar=False)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)
 
     def summary(self, values: dict[str, Any]) -> None:
+        values = _clean(values)
         with open(self.run_dir / "summary.json", "w") as f:
-            json.dump(_clean(values), f, indent=2)
+            json.dump(values, f, indent=2)
         if self.wandb is not None:
-            for k, v in _clean(values).items():
+            for k, v in values.items():
                 self.wandb.summary[k] = v
 
     def finish(self, exit_code: int = 0) -> None:
