@@ -92,21 +92,10 @@ def main() -> None:
     a = p.parse_args()
     mesh, world = None, 1
     if a.fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-
         from training.distributed import init_distributed
 
-        os.environ.setdefault("WORLD_SIZE", "1")
-        di = init_distributed("auto")
-        world = di.world_size
-        if di.mesh is None:  # one rank: a mesh of one, so the code path matches N ranks
-            import torch.distributed as dist
-
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29533")
-            dist.init_process_group("nccl" if di.device.type == "cuda" else "gloo", rank=0, world_size=1)
-            di.mesh = init_device_mesh(di.device.type, (1,), mesh_dim_names=("shard",))
-        mesh, device = di.mesh, di.device
+        di = init_distributed("auto", shard_alone=True)
+        mesh, device, world = di.mesh, di.device, di.world_size
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = bf16_peak_flops(device, a.peak_flops)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -45,28 +46,40 @@ def _env_from_slurm() -> None:
     os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
 
 
-def init_distributed(device: str, replicate: int = 1, timeout_s: int = 1800) -> DistInfo:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(device: str, replicate: int = 1, timeout_s: int = 1800, shard_alone: bool = False) -> DistInfo:
     """Initialise the process group (NCCL on GPUs, gloo on CPU) and the device mesh.
 
     Args:
         device: ``auto``, ``cpu`` or ``cuda``.
         replicate: HSDP replica groups (e.g. the number of nodes); 1 means plain FSDP.
+        shard_alone: also build a process group and a mesh of one in a single process, so that
+            FSDP runs there too (benchmarks' like-for-like one-GPU baseline).
     """
     _env_from_slurm()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device=cuda but no CUDA GPU is visible. Fix: device=cpu or device=auto.")
-    if world == 1:
+    if world == 1 and not shard_alone:
         return DistInfo(device=torch.device("cuda" if use_cuda else "cpu"))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     if world % replicate:
         raise ValueError(f"world size {world} is not divisible by parallel.replicate={replicate}")
     if replicate > 1:
