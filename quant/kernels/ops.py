@@ -81,6 +81,9 @@ def _operand(x: Tensor, src: int, transpose: bool):
     if src == SRC_DENSE:
         a = x.t() if transpose else x
         M, Kd = a.shape
+        if M and Kd and (M - 1) * a.stride(0) + (Kd - 1) * a.stride(1) >= 2**31:
+            raise ValueError(f"the NVFP4 kernels index with 32-bit offsets; operand of shape {tuple(a.shape)} "
+                             f"and strides {a.stride()} spans 2^31 elements or more: pass a contiguous copy")
         return M, Kd, a.stride(0), a.stride(1), 0, False
     if not x.is_contiguous():
         raise ValueError("packed NVFP4 data must be contiguous")
@@ -89,11 +92,18 @@ def _operand(x: Tensor, src: int, transpose: bool):
     return M, Kd, 0, 0, C, transpose
 
 
-def _rotation(signs: Optional[Tensor]) -> tuple[int, int, float]:
+def _rotation(signs: Optional[Tensor]) -> tuple[int, float]:
     if signs is None:
-        return 0, 0, 1.0
+        return 0, 1.0
     h = signs.numel()
-    return h, int(math.log2(h)), _f32(1.0 / math.sqrt(h))
+    return h, _f32(1.0 / math.sqrt(h))
+
+
+def _tiling(rot: int, tile2d: bool = False) -> dict:
+    """Tile meta-parameters: ``[BM, CH, R, 16]`` tiles (see ``quant_kernel``), BK = CH·R·16."""
+    bm, bk, _ = _config()
+    r = rot // GROUP if rot else bk // GROUP
+    return dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r, LOG_R=int(math.log2(r)) if rot else 0)
 
 
 def _launch(kernel, grid, *args, num_warps: int, **meta):
@@ -116,16 +126,16 @@ def _check(M: int, Kd: int, mode: str, rot: int) -> None:
 
 def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
-    rot, log_rot, inv = _rotation(signs)
+    rot, inv = _rotation(signs)
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     if M == 0 or Kd == 0:
         return out
-    bm, bk, nw = _config()
-    grid = (triton.cdiv(M, bm), triton.cdiv(Kd, bk))
+    meta = _tiling(rot)
+    grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, _config()[1]))
     _launch(K.amax_kernel, grid, x, x_scales if x_scales is not None else x,
             in_scale if in_scale is not None else out, signs if signs is not None else out, out,
             M, Kd, sm, sk, pc, SRC=src, PT=pt, HAS_SCALE=in_scale is not None, ROT=rot,
-            LOG_ROT=log_rot, INV_SQRT=inv, BM=bm, BK=bk, num_warps=nw)
+            INV_SQRT=inv, num_warps=_config()[2], **meta)
     return out
 
 
@@ -137,7 +147,7 @@ def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool):
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    mode, four_over_six, values, pack):
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
-    rot, log_rot, inv = _rotation(signs)
+    rot, inv = _rotation(signs)
     _check(M, Kd, mode, rot)
     dev = x.device
     current = _amax_impl(x, x_scales, src, transpose, in_scale, signs)
@@ -159,8 +169,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         raise ValueError("MS-EDEN needs a rotation (signs)")
     if M and Kd:
         t_t, t_b = _targets(mode, four_over_six)
-        bm, bk, nw = _config()
-        grid = (triton.cdiv(M, bm), triton.cdiv(Kd, bk))
+        meta = _tiling(rot, mode == "rtn_2d")
+        grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, _config()[1]))
         dummy = st
         _launch(K.quant_kernel, grid,
                 x, x_scales if x_scales is not None else x,
@@ -168,10 +178,10 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 amax, uniforms if uniforms is not None else dummy, seed if seed is not None else dummy,
                 val, codes, scales, st, M, Kd, sm, sk, pc,
                 T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, PT=pt, HAS_SCALE=in_scale is not None,
-                ROT=rot, LOG_ROT=log_rot, INV_SQRT=inv,
+                ROT=rot, INV_SQRT=inv,
                 MODE={"rtn": 0, "rtn_2d": 0, "sr": 1, "ms_eden": 2}[mode],
                 FOUR_SIX=four_over_six, TILE2D=mode == "rtn_2d", RAND=0 if uniforms is not None else 1,
-                WRITE_VALUES=values, PACK=pack, BM=bm, BK=bk, num_warps=nw)
+                WRITE_VALUES=values, PACK=pack, num_warps=_config()[2], **meta)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
 
 
@@ -324,7 +334,7 @@ def unpack(data: Tensor, scales: Tensor, tile2d: bool = False) -> Tensor:
         bm, bk, nw = _config()
         _launch(K.unpack_kernel, (triton.cdiv(R, bm), triton.cdiv(C, bk)), data,
                 scales.view(torch.uint8), out, R, C, SRC=SRC_PACKED_2D if tile2d else SRC_PACKED,
-                BM=bm, BK=bk, num_warps=nw)
+                BM=bm, R=bk // GROUP, num_warps=nw)
     return out
 
 

@@ -114,101 +114,169 @@ def _sr_e4m3(c, u):
 
 
 @triton.jit
-def _tree_sum(v, P: tl.constexpr, Q: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
-    """``tree_sum`` over the last dim of a ``[P, Q, N]`` tensor: ``v[:n/2] + v[n/2:]`` repeated.
+def _halve_sum(v, AX: tl.constexpr, SHAPE: tl.constexpr):
+    """Add the two halves of axis ``AX`` (``v[.., :n/2, ..] + v[.., n/2:, ..]``): ``v`` is
+    viewed as ``SHAPE``, in which axis ``AX`` has size 2, and that axis is summed. A sum over two
+    elements is one IEEE addition (commutative), so it is exact to the reference's order."""
+    return tl.sum(tl.reshape(v, SHAPE), axis=AX)
 
-    Each level views the ``n`` elements as ``[2, n/2]`` and adds the two halves; the reduction
-    over an axis of size 2 is a single IEEE addition (commutative, so its operand order does not
-    matter), hence the result equals the reference tree bit for bit.
-    """
+
+@triton.jit
+def _tree_sum_last(v, P: tl.constexpr, Q: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+    """``tree_sum`` over the last dim of a ``[P, Q, N]`` tensor. Returns ``[P, Q]``."""
     for s in tl.static_range(LOG_N):
-        v = tl.sum(tl.reshape(v, (P, Q, 2, N >> (s + 1))), axis=2)
+        v = _halve_sum(v, 2, (P, Q, 2, N >> (s + 1)))
     return tl.reshape(v, (P, Q))
 
 
 @triton.jit
-def _fwht(x, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, LOG_H: tl.constexpr):
-    """``fwht`` (without the 1/√h) on chunks of H along axis 1 of a ``[BM, BK]`` tile.
+def _butterfly(v, AX: tl.constexpr, SHAPE: tl.constexpr, LO):
+    """One in-place Walsh–Hadamard stage on ``v`` viewed as ``SHAPE``, whose axis ``AX`` (size 2)
+    holds the pairs ``(a, b)``: ``(a, b) ← (a + b, a − b)`` (``quant.hadamard.fwht``).
 
-    Constant-geometry form: each stage maps ``y[j] = x[2j] + x[2j+1]``,
-    ``y[j + H/2] = x[2j] − x[2j+1]``. Stage s thus combines the pairs whose original indices
-    differ in bit s, with the element of bit 0 as ``a`` — exactly the additions of the
-    reference butterfly (span 2^s) — and after log2 H stages the outputs are in natural order.
-    """
-    for _s in tl.static_range(LOG_H):
-        y = tl.reshape(x, (BM, BK // H, H // 2, 2))
-        a, b = tl.split(y)
-        y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-        x = tl.reshape(y, (BM, BK))
+    Written as two reductions over the pair axis and a select, which keep the tile's layout
+    (no shuffle of the tile through shared memory as split/join would): ``a − b`` is
+    ``a·1 + b·(−1)``, which IEEE defines to be the same number, zeros' signs included."""
+    y = tl.reshape(v, SHAPE)
+    sgn = tl.where(LO, 1.0, -1.0)
+    s = tl.expand_dims(tl.sum(y, axis=AX), AX)
+    d = tl.expand_dims(tl.sum(y * sgn, axis=AX), AX)
+    return tl.where(LO, s, d)
+
+
+@triton.jit
+def _pair_index(AX: tl.constexpr, RANK: tl.constexpr):
+    """``True`` at index 0 of axis ``AX`` of a rank-``RANK`` tensor (broadcastable)."""
+    i = tl.arange(0, 2)
+    if RANK == 6:
+        if AX == 2:
+            i = i[None, None, :, None, None, None]
+        elif AX == 3:
+            i = i[None, None, None, :, None, None]
+        else:
+            i = i[None, None, None, None, :, None]
+    return i == 0
+
+
+@triton.jit
+def _fwht(x, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+    """``fwht`` (without the 1/√h) on the chunks ``[R, 16]`` (h = 16·R) of a ``[BM, CH, R, 16]``
+    tile, chunk index ``16·r + j``: stage ``s`` pairs the indices that differ in bit ``s`` (bits
+    0–3 on the last axis, 4… on the R axis), the lower one as ``a``."""
+    for s in tl.static_range(4):
+        x = _butterfly(x, 4, (BM, CH, R, 8 >> s, 2, 1 << s), _pair_index(4, 6))
+        x = tl.reshape(x, (BM, CH, R, 16))
+    for s in tl.static_range(LOG_R):
+        x = _butterfly(x, 3, (BM, CH, R >> (s + 1), 2, 1 << s, 16), _pair_index(3, 6))
+        x = tl.reshape(x, (BM, CH, R, 16))
     return x
 
 
 @triton.jit
-def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, offs_m, offs_k, M, K,
-               stride_m, stride_k, P_C,
-               SRC: tl.constexpr, PT: tl.constexpr, HAS_SCALE: tl.constexpr,
-               ROT: tl.constexpr, LOG_ROT: tl.constexpr, INV_SQRT: tl.constexpr,
-               BM: tl.constexpr, BK: tl.constexpr):
-    """The fp32 tile ``A[offs_m, offs_k]`` as the reference sees it: ``src.dense()``, then
-    rotated (``(x ⊙ σ) · H / √h``) when ROT > 0. Masked elements are 0.
+def _chunk_tree_sum(v, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+    """``tree_sum`` over each chunk ``[R, 16]`` (flat index ``16·r + j``) of a ``[BM, CH, R, 16]``
+    tile: the R axis is halved first (the high bits), then the 16. Returns ``[BM, CH]``."""
+    for s in tl.static_range(LOG_R):
+        v = _halve_sum(v, 2, (BM, CH, 2, R >> (s + 1), 16))
+    return _tree_sum_last(tl.reshape(v, (BM, CH, 16)), BM, CH, 16, 4)
 
-    SRC 0: dense, ``A[m, k] = x[m·stride_m + k·stride_k]``. SRC 1 / 2: packed NVFP4 1×16 / 16×16
-    with physical shape ``(R, C)`` (``C = P_C``), ``A = P`` or ``A = Pᵀ`` (PT); the value is
-    ``q · s_block`` (exact), as ``NVFP4Tensor.scaled_values``.
+
+@triton.jit
+def _tile_index(pid_m, pid_k, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
+    """Row ``m`` ``[BM,1,1,1]`` and reduction index ``k`` ``[1,CH,R,16]`` of a tile (int32)."""
+    m = pid_m * BM + tl.arange(0, BM)[:, None, None, None]
+    k = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None, None] * (R * 16)
+         + tl.arange(0, R)[None, None, :, None] * 16 + tl.arange(0, 16)[None, None, None, :])
+    return m, k
+
+
+@triton.jit
+def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, m, k, M, K, stride_m, stride_k, P_C,
+               SRC: tl.constexpr, PT: tl.constexpr, HAS_SCALE: tl.constexpr,
+               ROT: tl.constexpr, INV_SQRT: tl.constexpr,
+               BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+    """The fp32 tile ``A[m, k]`` (``[BM, CH, R, 16]``) as the reference sees it: ``src.dense()``,
+    then rotated (``(x ⊙ σ) · H / √h``, h = 16·R) when ROT > 0. Masked elements are 0.
+
+    SRC 0: dense, ``A[m, k] = x[m·stride_m + k·stride_k]`` (offsets < 2^31, checked by the
+    launcher). SRC 1 / 2: packed NVFP4 1×16 / 16×16 with physical shape ``(R, C)``
+    (``C = P_C``), ``A = P`` or ``A = Pᵀ`` (PT); the value is ``q · s_block`` (exact), as
+    ``NVFP4Tensor.scaled_values``.
     """
-    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    mask = (m < M) & (k < K)
     if SRC == 0:
-        ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_k.to(tl.int64)[None, :] * stride_k
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + m * stride_m + k * stride_k, mask=mask, other=0.0).to(tl.float32)
     else:
         if PT:
-            r = offs_k[None, :]
-            c = offs_m[:, None]
+            r = k
+            c = m
         else:
-            r = offs_m[:, None]
-            c = offs_k[None, :]
-        byte = tl.load(x_ptr + r.to(tl.int64) * (P_C // 2) + c // 2, mask=mask, other=0).to(tl.int32)
+            r = m
+            c = k
+        byte = tl.load(x_ptr + r * (P_C // 2) + c // 2, mask=mask, other=0).to(tl.int32)
         code = (byte >> ((c % 2) * 4)) & 15
         mag = _e2m1_mag(code & 7)
         q = tl.where(code >= 8, mag * -1.0, mag)
         if SRC == 1:
-            sptr = xs_ptr + r.to(tl.int64) * (P_C // 16) + c // 16
+            sptr = xs_ptr + r * (P_C // 16) + c // 16
         else:
-            sptr = xs_ptr + (r // 16).to(tl.int64) * (P_C // 16) + c // 16
-        sb = _e4m3_value(tl.load(sptr, mask=mask, other=0))
-        x = q * sb
+            sptr = xs_ptr + (r // 16) * (P_C // 16) + c // 16
+        x = q * _e4m3_value(tl.load(sptr, mask=mask, other=0))
     if HAS_SCALE:
         x = x * tl.load(scale_ptr)
     if ROT > 0:
-        sg = tl.load(signs_ptr + offs_k % ROT)
-        x = x * sg[None, :]
-        x = _fwht(x, BM, BK, ROT, LOG_ROT)
-        x = x * INV_SQRT
+        sg = tl.load(signs_ptr + tl.arange(0, R)[None, None, :, None] * 16
+                     + tl.arange(0, 16)[None, None, None, :])
+        x = _fwht(x * sg, BM, CH, R, LOG_R) * INV_SQRT
     return x
-
-
-@triton.jit
-def _expand_scale(s, BM: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, TILE2D: tl.constexpr):
-    """Block scales broadcast to the ``[BM, BK]`` tile: one per 16×16 tile (``TILE2D``, ``s`` is
-    ``[BM/16, G]``) or one per 1×16 group (``s`` is ``[BM, G]``)."""
-    if TILE2D:
-        se = tl.reshape(tl.broadcast_to(tl.reshape(s, (BM // 16, 1, G, 1)), (BM // 16, 16, G, 16)), (BM, BK))
-    else:
-        se = tl.reshape(tl.broadcast_to(tl.reshape(s, (BM, G, 1)), (BM, G, 16)), (BM, BK))
-    return se
 
 
 @triton.jit
 def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, stride_k, P_C,
                 SRC: tl.constexpr, PT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                ROT: tl.constexpr, LOG_ROT: tl.constexpr, INV_SQRT: tl.constexpr,
-                BM: tl.constexpr, BK: tl.constexpr):
+                ROT: tl.constexpr, INV_SQRT: tl.constexpr,
+                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """``amax_ptr[0] = max(amax_ptr[0], max |A_tile|)`` (amax_ptr starts at 0)."""
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
-    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, offs_m, offs_k, M, K, stride_m, stride_k,
-                   P_C, SRC, PT, HAS_SCALE, ROT, LOG_ROT, INV_SQRT, BM, BK)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    m, k = _tile_index(tl.program_id(0), tl.program_id(1), BM, CH, R)
+    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, m, k, M, K, stride_m, stride_k, P_C,
+                   SRC, PT, HAS_SCALE, ROT, INV_SQRT, BM, CH, R, LOG_R)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0))
+
+
+@triton.jit
+def _round_e2m1(v, u, MODE: tl.constexpr):
+    """E2M1 rounding of the scaled values: stochastic with uniforms ``u`` (MODE 1), else nearest."""
+    if MODE == 1:
+        return _sr_e2m1(v, u)
+    return _rtn_e2m1(v)
+
+
+@triton.jit
+def _group_scales(v, TILE2D: tl.constexpr):
+    """Per scale group of a ``[BM, CH, R, 16]`` tile: over the 16 (1×16, ``[BM, CH, R]``) or over
+    the 16×16 tile (``TILE2D``: BM = 16, ``[1, CH, R]``) — here the max."""
+    g = tl.max(v, axis=3)
+    if TILE2D:
+        g = tl.expand_dims(tl.max(g, axis=0), 0)
+    return g
+
+
+@triton.jit
+def _candidate_error(x, s, s_t, u, MODE: tl.constexpr, TILE2D: tl.constexpr,
+                     BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
+    """Per scale group, ``tree_sum((q · s · s_t − x)²)`` of the candidate block scales ``s``
+    (``_quantize_groups``; a 16×16 tile is summed in its row-major order: rows, then columns)."""
+    se = tl.expand_dims(s, 3)
+    q, _code = _round_e2m1(tl.math.div_rn(x, se * s_t), u, MODE)
+    d = q * se * s_t - x
+    d = d * d
+    if TILE2D:
+        for lvl in tl.static_range(4):
+            d = _halve_sum(d, 0, (2, 8 >> lvl, CH, R, 16))
+        err = tl.expand_dims(tl.reshape(_tree_sum_last(tl.reshape(d, (CH, R, 16)), CH, R, 16, 4), (CH, R)), 0)
+    else:
+        err = tl.reshape(_tree_sum_last(tl.reshape(d, (BM * CH, R, 16)), BM * CH, R, 16, 4), (BM, CH, R))
+    return err
 
 
 @triton.jit
@@ -217,128 +285,94 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                  M, K, stride_m, stride_k, P_C,
                  T_TENSOR: tl.constexpr, T_BLOCK: tl.constexpr,
                  SRC: tl.constexpr, PT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 ROT: tl.constexpr, LOG_ROT: tl.constexpr, INV_SQRT: tl.constexpr,
+                 ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                  MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                  RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
-                 BM: tl.constexpr, BK: tl.constexpr):
-    """Quantize one ``[BM, BK]`` tile of ``A`` along K (see the module docstring).
+                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+    """Quantize one tile of ``A`` along K (see the module docstring).
+
+    The tile is ``[BM, CH, R, 16]``: BM rows, and ``BK = CH·R·16`` columns as CH chunks of
+    ``h = 16·R`` (the rotation size; without rotation CH = 1) of R groups of 16. Per-group
+    quantities are ``[BM, CH, R]`` and broadcast back with ``expand_dims``.
 
     Outputs (logical layout, row-major): ``val`` BF16 ``M × K`` (``q · s_block``), ``code`` uint8
     ``M × K/2`` (element 2i in the low nibble), ``sc`` uint8 E4M3 bits ``M × K/16`` (or
-    ``M/16 × K/16`` with TILE2D), ``st`` the FP32 tensor scale.
+    ``M/16 × K/16`` with TILE2D, where BM = 16), ``st`` the FP32 tensor scale.
     """
-    G: tl.constexpr = BK // 16
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_k = pid_k * BK + tl.arange(0, BK)
-    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, offs_m, offs_k, M, K, stride_m, stride_k,
-                   P_C, SRC, PT, HAS_SCALE, ROT, LOG_ROT, INV_SQRT, BM, BK)
+    m, k = _tile_index(pid_m, pid_k, BM, CH, R)
+    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, m, k, M, K, stride_m, stride_k, P_C,
+                   SRC, PT, HAS_SCALE, ROT, INV_SQRT, BM, CH, R, LOG_R)
+    mask = (m < M) & (k < K)
 
     amax = tl.load(amax_ptr)
     s_t = tl.where(amax > 0, tl.math.div_rn(amax, T_TENSOR), 1.0)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(st_ptr, s_t)
+    raw = tl.math.div_rn(tl.math.div_rn(_group_scales(tl.abs(x), TILE2D), T_BLOCK), s_t)
 
-    # Group amax and the raw block scale amax_b / target / s_t, per scale group.
-    if TILE2D:
-        x4 = tl.reshape(x, (BM // 16, 16, G, 16))
-        amax_b = tl.max(tl.max(tl.abs(x4), axis=3), axis=1)            # [BM/16, G]
-    else:
-        xg = tl.reshape(x, (BM, G, 16))
-        amax_b = tl.max(tl.abs(xg), axis=2)                             # [BM, G]
-    raw = tl.math.div_rn(tl.math.div_rn(amax_b, T_BLOCK), s_t)
-
+    u = 0.0
     if MODE == 1:
         if RAND == 0:
-            mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
-            u = tl.load(u_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+            u = tl.load(u_ptr + m * K + k, mask=mask, other=0.0)
         else:
-            u = tl.rand(tl.load(seed_ptr), offs_m[:, None] * K + offs_k[None, :])
+            u = tl.rand(tl.load(seed_ptr), m * K + k)
 
-    s6, bits6 = _block_scale(raw)
-    s6e = _expand_scale(s6, BM, BK, G, TILE2D)
-    x_s = tl.math.div_rn(x, s6e * s_t)
-    if MODE == 1:
-        q, code = _sr_e2m1(x_s, u)
-    else:
-        q, code = _rtn_e2m1(x_s)
-    s_out = s6
-    bits_out = bits6
-
+    s_out, bits_out = _block_scale(raw)
     if FOUR_SIX:
+        # The two candidates one after the other: only their per-group errors stay live, and the
+        # chosen one is rounded again below (the same division, hence the same values).
         s4, bits4 = _block_scale(raw * 1.5)
-        s4e = _expand_scale(s4, BM, BK, G, TILE2D)
-        x_s4 = tl.math.div_rn(x, s4e * s_t)
-        if MODE == 1:
-            q4, code4 = _sr_e2m1(x_s4, u)
-        else:
-            q4, code4 = _rtn_e2m1(x_s4)
-        d6 = q * s6e * s_t - x
-        d4 = q4 * s4e * s_t - x
-        if TILE2D:
-            e6 = tl.reshape(tl.permute(tl.reshape(d6 * d6, (BM // 16, 16, G, 16)), (0, 2, 1, 3)), (BM // 16, G, 256))
-            e4 = tl.reshape(tl.permute(tl.reshape(d4 * d4, (BM // 16, 16, G, 16)), (0, 2, 1, 3)), (BM // 16, G, 256))
-            err6 = _tree_sum(e6, BM // 16, G, 256, 8)
-            err4 = _tree_sum(e4, BM // 16, G, 256, 8)
-            use4 = err4 < err6                                          # [BM/16, G]
-            use4e = tl.reshape(tl.broadcast_to(tl.reshape(use4, (BM // 16, 1, G, 1)), (BM // 16, 16, G, 16)), (BM, BK))
-        else:
-            err6 = _tree_sum(tl.reshape(d6 * d6, (BM, G, 16)), BM, G, 16, 4)
-            err4 = _tree_sum(tl.reshape(d4 * d4, (BM, G, 16)), BM, G, 16, 4)
-            use4 = err4 < err6                                          # [BM, G]
-            use4e = tl.reshape(tl.broadcast_to(tl.reshape(use4, (BM, G, 1)), (BM, G, 16)), (BM, BK))
-        q = tl.where(use4e, q4, q)
-        code = tl.where(use4e, code4, code)
-        s_out = tl.where(use4, s4, s6)
-        bits_out = tl.where(use4, bits4, bits6)
+        err6 = _candidate_error(x, s_out, s_t, u, MODE, TILE2D, BM, CH, R)
+        err4 = _candidate_error(x, s4, s_t, u, MODE, TILE2D, BM, CH, R)
+        use4 = err4 < err6
+        s_out = tl.where(use4, s4, s_out)
+        bits_out = tl.where(use4, bits4, bits_out)
+    x_s = tl.math.div_rn(x, tl.expand_dims(s_out, 3) * s_t)
+    q, code = _round_e2m1(x_s, u, MODE)
 
+    # Group index g = k/16 of each [BM, CH, R] entry, for the per-group uniforms and scales.
+    g = (pid_k * (CH * R) + tl.arange(0, CH)[None, :, None] * R + tl.arange(0, R)[None, None, :])
     if MODE == 2:
-        # EDEN correction per rotation chunk of ROT elements (ROT // 16 groups).
-        CH: tl.constexpr = BK // ROT
-        num = _tree_sum(tl.reshape(x_s * x_s, (BM, CH, ROT)), BM, CH, ROT, LOG_ROT)
-        den = _tree_sum(tl.reshape(x_s * q, (BM, CH, ROT)), BM, CH, ROT, LOG_ROT)
+        # EDEN correction per rotation chunk (SPEC §2, MS-EDEN steps 4–5).
+        num = _chunk_tree_sum(x_s * x_s, BM, CH, R, LOG_R)
+        den = _chunk_tree_sum(x_s * q, BM, CH, R, LOG_R)
         S = tl.where(den != 0, tl.math.div_rn(num, tl.where(den != 0, den, 1.0)), 1.0)   # [BM, CH]
-        Sg = tl.reshape(tl.broadcast_to(tl.reshape(S, (BM, CH, 1)), (BM, CH, ROT // 16)), (BM, G))
-        c = s6 * Sg
-        offs_g = pid_k * G + tl.arange(0, G)
+        c = s_out * tl.expand_dims(S, 2)
+        mg = pid_m * BM + tl.arange(0, BM)[:, None, None]
         if RAND == 0:
-            gmask = (offs_m < M)[:, None] & (offs_g < K // 16)[None, :]
-            ug = tl.load(u_ptr + offs_m.to(tl.int64)[:, None] * (K // 16) + offs_g[None, :], mask=gmask, other=0.0)
+            ug = tl.load(u_ptr + mg * (K // 16) + g, mask=(mg < M) & (g < K // 16), other=0.0)
         else:
-            ug = tl.rand(tl.load(seed_ptr), offs_m[:, None] * (K // 16) + offs_g[None, :])
+            ug = tl.rand(tl.load(seed_ptr), mg * (K // 16) + g)
         s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
-        se = _expand_scale(s_out, BM, BK, G, TILE2D)
-        mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
-        vptrs = val_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
-        tl.store(vptrs, (q * se).to(tl.bfloat16), mask=mask)
+        tl.store(val_ptr + m * K + k, (q * tl.expand_dims(s_out, 3)).to(tl.bfloat16), mask=mask)
     if PACK:
-        lo, hi = tl.split(tl.reshape(code, (BM, BK // 2, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        offs_h = pid_k * (BK // 2) + tl.arange(0, BK // 2)
-        pmask = (offs_m < M)[:, None] & (offs_h < K // 2)[None, :]
-        tl.store(code_ptr + offs_m.to(tl.int64)[:, None] * (K // 2) + offs_h[None, :], packed, mask=pmask)
-        offs_g2 = pid_k * G + tl.arange(0, G)
+        # Two codes per byte, element 2i in the low nibble: a sum over each pair (exact ints).
+        shift = tl.where(tl.arange(0, 2) == 0, 1, 16)[None, None, None, None, :]
+        packed = tl.sum(tl.reshape(code, (BM, CH, R, 8, 2)) * shift, axis=4).to(tl.uint8)
+        mh = pid_m * BM + tl.arange(0, BM)[:, None, None, None]
+        kh = (pid_k * (CH * R * 8) + tl.arange(0, CH)[None, :, None, None] * (R * 8)
+              + tl.arange(0, R)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :])
+        tl.store(code_ptr + mh * (K // 2) + kh, packed, mask=(mh < M) & (kh < K // 2))
         if TILE2D:
-            offs_r = pid_m * (BM // 16) + tl.arange(0, BM // 16)
-            smask = (offs_r < M // 16)[:, None] & (offs_g2 < K // 16)[None, :]
-            tl.store(sc_ptr + offs_r[:, None] * (K // 16) + offs_g2[None, :], bits_out, mask=smask)
+            r16 = pid_m + tl.zeros((1, CH, R), dtype=tl.int32)
+            tl.store(sc_ptr + r16 * (K // 16) + g, bits_out, mask=(r16 < M // 16) & (g < K // 16))
         else:
-            smask = (offs_m < M)[:, None] & (offs_g2 < K // 16)[None, :]
-            tl.store(sc_ptr + offs_m.to(tl.int64)[:, None] * (K // 16) + offs_g2[None, :], bits_out, mask=smask)
+            mg2 = pid_m * BM + tl.arange(0, BM)[:, None, None]
+            tl.store(sc_ptr + mg2 * (K // 16) + g, bits_out, mask=(mg2 < M) & (g < K // 16))
 
 
 @triton.jit
-def unpack_kernel(x_ptr, xs_ptr, val_ptr, R, C, SRC: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """BF16 ``q · s_block`` of a packed ``R × C`` tensor (``NVFP4Tensor.scaled_values``)."""
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
-    x = _load_tile(x_ptr, xs_ptr, x_ptr, x_ptr, offs_m, offs_k, R, C, 0, 0, C,
-                   SRC, False, False, 0, 0, 1.0, BM, BK)
-    mask = (offs_m < R)[:, None] & (offs_k < C)[None, :]
-    tl.store(val_ptr + offs_m.to(tl.int64)[:, None] * C + offs_k[None, :], x.to(tl.bfloat16), mask=mask)
+def unpack_kernel(x_ptr, xs_ptr, val_ptr, NR, NC, SRC: tl.constexpr, BM: tl.constexpr,
+                  R: tl.constexpr):
+    """BF16 ``q · s_block`` of a packed ``NR × NC`` tensor (``NVFP4Tensor.scaled_values``)."""
+    m, k = _tile_index(tl.program_id(0), tl.program_id(1), BM, 1, R)
+    x = _load_tile(x_ptr, xs_ptr, x_ptr, x_ptr, m, k, NR, NC, 0, 0, NC,
+                   SRC, False, False, 0, 1.0, BM, 1, R, 0)
+    tl.store(val_ptr + m * NC + k, x.to(tl.bfloat16), mask=(m < NR) & (k < NC))
 
 
 @triton.jit
