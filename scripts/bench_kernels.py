@@ -25,6 +25,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# Tile configs tried by --sweep, per operand layout (see quant.kernels.ops._CONFIG).
+SWEEP = {
+    "rows": [(32, 128, 8), (16, 128, 4), (64, 128, 8), (32, 128, 4)],
+    "cols": [(256, 16, 8), (128, 16, 4), (512, 16, 8), (128, 32, 4)],
+    "cols_wide": [(32, 128, 8), (16, 128, 8), (8, 128, 4), (16, 128, 4)],
+}
+
+
 def bench(fn, iters: int = 20, warmup: int = 3) -> float:
     """Median time of ``fn()`` in seconds (CUDA events)."""
     for _ in range(warmup):
@@ -135,7 +143,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16384)
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--sweep", action="store_true", help="try several (BM, BK, warps) tile configs")
+    p.add_argument("--sweep", action="store_true", help="time every kernel under the SWEEP tile configs")
     p.add_argument("--only", nargs="*", default=None, help="substrings of kernel names to run")
     p.add_argument("--check", action="store_true", help="only check bit-exactness on this device")
     a = p.parse_args()
@@ -153,29 +161,43 @@ def main() -> None:
     copy_bw = 4 * n / copy_s
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; "
           f"input {a.rows}×{a.cols} BF16; copy (clone) {copy_s * 1e6:.1f} µs = {copy_bw / 1e12:.2f} TB/s\n")
-    configs = [ops._CONFIG["gpu"]]
-    if a.sweep:
-        configs += [c for c in [(64, 128, 8), (32, 128, 8), (16, 128, 4)] if c not in configs]
     rows = ["| kernel | dim | (BM, BK, warps) | GPU time (µs) | × copy | GB moved | TB/s | % of copy bw | target | "
             "eager call (µs) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for cfg in configs:
-        ops.set_block_config(*cfg)
-        for name, target, fn, packed in cases(x):
-            if a.only and not any(s in name for s in a.only):
-                continue
-            for t, dim in ((False, "rows"), (True, "cols")):
-                try:
-                    eager = bench(lambda: fn(t), a.iters)
-                    s = bench_graph(lambda: fn(t)) or eager
-                except Exception as e:  # report and go on
-                    rows.append(f"| {name} | {dim} | {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |")
-                    print(rows[-1], flush=True)
-                    continue
-                moved = 2 * n + 2 * n + 2 * n + ((n // 2 + n // 16) if packed else 0)
-                bw = moved / s
-                rows.append(f"| {name} | {dim} | {cfg} | {s * 1e6:.1f} | {s / copy_s:.2f} | {moved / 1e9:.2f} | "
-                            f"{bw / 1e12:.2f} | {bw / copy_bw:.0%} | {target:.0%} | {eager * 1e6:.0f} |")
-                print(rows[-1], flush=True)
+
+    def run(name, target, fn, packed, t, cfg):
+        dim = "cols" if t else "rows"
+        try:
+            eager = bench(lambda: fn(t), a.iters)
+            s = bench_graph(lambda: fn(t)) or eager
+        except Exception as e:  # report and go on
+            rows.append(f"| {name} | {dim} | {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |")
+            print(rows[-1], flush=True)
+            return
+        moved = 2 * n + 2 * n + 2 * n + ((n // 2 + n // 16) if packed else 0)
+        bw = moved / s
+        rows.append(f"| {name} | {dim} | {cfg} | {s * 1e6:.1f} | {s / copy_s:.2f} | {moved / 1e9:.2f} | "
+                    f"{bw / 1e12:.2f} | {bw / copy_bw:.0%} | {target:.0%} | {eager * 1e6:.0f} |")
+        print(rows[-1], flush=True)
+
+    def layout(name: str, t: bool) -> str:
+        wide = "rht32" in name or "rht128" in name
+        return "rows" if not t else "cols_wide" if wide else "cols"
+
+    selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
+    if a.sweep:
+        defaults = dict(ops._CONFIG)
+        for lay, cfgs in SWEEP.items():
+            for cfg in cfgs:
+                ops.set_block_config(lay, *cfg)
+                for name, target, fn, packed in selected:
+                    for t in (False, True):
+                        if layout(name, t) == lay:
+                            run(name, target, fn, packed, t, cfg)
+            ops.set_block_config(lay, *defaults[lay])
+    else:
+        for name, target, fn, packed in selected:
+            for t in (False, True):
+                run(name, target, fn, packed, t, ops._CONFIG[layout(name, t)])
     print("\n" + "\n".join(rows))
 
 

@@ -2,6 +2,7 @@
 # A first, small reproduction of the paper's loss-gap comparison on one GPU (docs/results/).
 #
 #   STEPS=400 bash scripts/repro_h200.sh OUT_DIR
+#   RUNS="bf16:0" COMPARE=0 bash scripts/repro_h200.sh OUT_DIR   # only the bf16 model + step 3's study
 #
 # 1. Corpus: real text found on the machine (the Python sources of its site-packages; the GPU
 #    boxes have no datasets and no network), written as jsonl, tokenized with a SentencePiece BPE
@@ -14,6 +15,8 @@
 set -euo pipefail
 OUT=${1:?output directory}
 STEPS=${STEPS:-300}
+RUNS=${RUNS:-"bf16:0 nvidia:0 four_over_six:0 tetrajet_v2:0 quartet2:0 bf16:1 bf16:2"}
+COMPARE=${COMPARE:-1}
 SITE=${SITE:-$(python3 -c 'import site; print(site.getsitepackages()[0])')}
 WORK=${WORK:-/tmp/repro}
 mkdir -p "$OUT" "$WORK"
@@ -42,8 +45,8 @@ common=(model=30m model.vocab_size=8192 "data.inputs=[$WORK/corpus.jsonl]" data.
         wandb.enabled=false train.seq_len=512 train.batch_size=64 train.micro_batch_size=64
         train.steps=$STEPS train.log_every=50 train.eval_every=$((STEPS / 4)) train.eval_batches=8
         train.eval_batch_size=32 train.ckpt_every=$STEPS run_root=$WORK/runs)
-for run in "bf16 0" "nvidia 0" "four_over_six 0" "tetrajet_v2 0" "quartet2 0" "bf16 1" "bf16 2"; do
-    set -- $run
+for run in $RUNS; do
+    set -- ${run/:/ }
     log=$WORK/log-$1-s$2.txt
     if ! python3 train.py "${common[@]}" quant=$1 seed=$2 >"$log" 2>&1; then
         tail -20 "$log"
@@ -53,8 +56,10 @@ for run in "bf16 0" "nvidia 0" "four_over_six 0" "tetrajet_v2 0" "quartet2 0" "b
 done
 
 (cd "$WORK/runs" && tar czf "$OUT/runs.tgz" */metrics.jsonl */summary.json */train.log */.hydra/config.yaml)
-python3 scripts/compare_runs.py "$WORK/runs" --out "$OUT/report.md" --plot "$OUT/loss_gap.png" \
-    --curves "$OUT/loss_gap_curves.png" | tail -30 || echo "compare_runs failed"
+if [ "$COMPARE" = 1 ]; then
+    python3 scripts/compare_runs.py "$WORK/runs" --out "$OUT/report.md" --plot "$OUT/loss_gap.png" \
+        --curves "$OUT/loss_gap_curves.png" | tail -30 || echo "compare_runs failed"
+fi
 ckpt=$(ls -d "$WORK"/runs/30m-bf16-*-s0/checkpoints/step_* | tail -1)
 python3 scripts/export_checkpoint.py "$ckpt" "$WORK/bf16_model.pt"
 python3 scripts/unbiasedness.py --model "$WORK/bf16_model.pt" --device cuda --max-b 256 \

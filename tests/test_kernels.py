@@ -166,7 +166,7 @@ def test_rht_ms_eden(shape, transpose, seeded):
     signs = random_signs(h, torch.Generator().manual_seed(6), "cpu")
     if seeded:
         seed = torch.tensor([987654321], dtype=torch.int64, device=DEV)
-        u = K.philox_uniforms(seed, a.numel() // 16).cpu().reshape(a.shape[0], -1)
+        u = K.philox_uniforms(seed, a.numel() // 16, "ms_eden").cpu().reshape(a.shape[0], -1)
         out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, None, seed, None, True)
     else:
         u = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(7))

@@ -41,20 +41,31 @@ if _INTERPRET:
 # Source kinds of an operand.
 SRC_DENSE, SRC_PACKED, SRC_PACKED_2D = 0, 1, 2
 
-# Tile shape and warps: (BM, BK, num_warps). BK must be a multiple of 128 (rotation chunk) and
-# BM of 16. The interpreter runs ~8 ms per program instance, so it gets large tiles.
-_CONFIG = {"gpu": (32, 128, 4), "interpret": (128, 256, 4)}
+# Tiles ``[BM, BK]`` and warps per layout of the logical operand (chosen from offline sm_90
+# register/shared-memory reports and the H200 sweep of scripts/bench_kernels.py --sweep):
+# "rows": A's rows are contiguous (groups along memory); "cols": A = Xᵀ read through strides,
+# with BK = max(16, rotation) so that a whole tile row stays inside one warp; "cols_wide": the
+# same for rotations over 16, which need BK = 128. BK must be a multiple of the rotation size.
+# The interpreter runs ~8 ms per program instance, so it gets large tiles.
+_CONFIG = {"rows": (32, 128, 8), "cols": (256, 16, 8), "cols_wide": (32, 128, 8),
+           "interpret": (128, 256, 4)}
 
 
-def set_block_config(bm: int, bk: int, num_warps: int) -> None:
-    """Override the GPU tile shape (benchmark sweeps)."""
-    if bk % 128 or bm % 16:
-        raise ValueError("BK must be a multiple of 128 and BM of 16")
-    _CONFIG["gpu"] = (bm, bk, num_warps)
+def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
+    """Override the tile of one layout (``rows``, ``cols``, ``cols_wide``; benchmark sweeps)."""
+    if layout not in _CONFIG:
+        raise ValueError(f"unknown layout {layout!r}; one of {sorted(_CONFIG)}")
+    if bk % GROUP or bm & (bm - 1) or bk & (bk - 1):
+        raise ValueError("BM and BK must be powers of two, BK a multiple of 16")
+    _CONFIG[layout] = (bm, bk, num_warps)
 
 
-def _config() -> tuple[int, int, int]:
-    return _CONFIG["interpret" if _INTERPRET else "gpu"]
+def _config(rot: int = 0, cols: bool = False) -> tuple[int, int, int]:
+    """(BM, BK, num_warps) for an operand rotated in chunks of ``rot`` (0: none)."""
+    if _INTERPRET:
+        return _CONFIG["interpret"]
+    bm, bk, nw = _CONFIG["cols" if cols and rot <= GROUP else "cols_wide" if cols else "rows"]
+    return bm, max(bk, rot), nw
 
 
 def _f32(v: float) -> float:
@@ -99,11 +110,18 @@ def _rotation(signs: Optional[Tensor]) -> tuple[int, float]:
     return h, _f32(1.0 / math.sqrt(h))
 
 
-def _tiling(rot: int, tile2d: bool = False) -> dict:
-    """Tile meta-parameters: ``[BM, CH, R, 16]`` tiles (see ``quant_kernel``), BK = CH·R·16."""
-    bm, bk, _ = _config()
+def _tiling(rot: int, cols: bool, tile2d: bool = False) -> tuple[dict, int, int]:
+    """Tile meta-parameters ``[BM, CH, R, 16]`` (see ``quant_kernel``), BK and num_warps."""
+    bm, bk, nw = _config(rot, cols)
     r = rot // GROUP if rot else bk // GROUP
-    return dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r, LOG_R=int(math.log2(r)) if rot else 0)
+    meta = dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r,
+                LOG_R=int(math.log2(r)) if rot else 0)
+    return meta, bk, nw
+
+
+def _is_cols(src: int, stride_k: int, pt: bool) -> bool:
+    """Whether the logical operand is read across memory rows (a transposed view)."""
+    return pt if src != SRC_DENSE else stride_k != 1
 
 
 def _launch(kernel, grid, *args, num_warps: int, **meta):
@@ -130,12 +148,12 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     if M == 0 or Kd == 0:
         return out
-    meta = _tiling(rot)
-    grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, _config()[1]))
+    meta, bk, nw = _tiling(rot, _is_cols(src, sk, pt))
+    grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, bk))
     _launch(K.amax_kernel, grid, x, x_scales if x_scales is not None else x,
             in_scale if in_scale is not None else out, signs if signs is not None else out, out,
             M, Kd, sm, sk, pc, SRC=src, PT=pt, HAS_SCALE=in_scale is not None, ROT=rot,
-            INV_SQRT=inv, num_warps=_config()[2], **meta)
+            INV_SQRT=inv, num_warps=nw, **meta)
     return out
 
 
@@ -169,8 +187,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         raise ValueError("MS-EDEN needs a rotation (signs)")
     if M and Kd:
         t_t, t_b = _targets(mode, four_over_six)
-        meta = _tiling(rot, mode == "rtn_2d")
-        grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, _config()[1]))
+        meta, bk, nw = _tiling(rot, _is_cols(src, sk, pt), mode == "rtn_2d")
+        grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, bk))
         dummy = st
         _launch(K.quant_kernel, grid,
                 x, x_scales if x_scales is not None else x,
@@ -181,7 +199,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 ROT=rot, INV_SQRT=inv,
                 MODE={"rtn": 0, "rtn_2d": 0, "sr": 1, "ms_eden": 2}[mode],
                 FOUR_SIX=four_over_six, TILE2D=mode == "rtn_2d", RAND=0 if uniforms is not None else 1,
-                WRITE_VALUES=values, PACK=pack, num_warps=_config()[2], **meta)
+                WRITE_VALUES=values, PACK=pack, num_warps=nw, **meta)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
 
 
@@ -344,16 +362,20 @@ def _(data, scales, tile2d=False):
 
 
 @torch.library.custom_op("nvfp4::philox_uniforms", mutates_args=())
-def philox_uniforms(seed: Tensor, n: int) -> Tensor:
-    """``tl.rand(seed, i)`` for ``i < n``: the draws of the seeded kernels (reshape them to the
-    operand's ``M × K`` for SR, ``M × K/16`` for MS-EDEN)."""
+def philox_uniforms(seed: Tensor, n: int, mode: str = "sr") -> Tensor:
+    """The draws of the seeded kernels for flat offsets ``i < n``: SR's (``mode="sr"``,
+    ``tl.rand4x(seed, i // 4)[i % 4]``; reshape to the operand's ``M × K``) or MS-EDEN's
+    (``mode="ms_eden"``, ``tl.rand(seed, i)``; reshape to ``M × K/16``)."""
+    if mode not in ("sr", "ms_eden"):
+        raise ValueError(f"philox_uniforms mode must be 'sr' or 'ms_eden', got {mode!r}")
     out = torch.empty(n, dtype=torch.float32, device=seed.device)
     if n:
         block = 65536 if _INTERPRET else 1024
-        _launch(K.rand_kernel, (triton.cdiv(n, block),), seed, out, n, BLOCK=block, num_warps=4)
+        _launch(K.rand_kernel, (triton.cdiv(n, block),), seed, out, n, FOUR=mode == "sr",
+                BLOCK=block, num_warps=4)
     return out
 
 
 @philox_uniforms.register_fake
-def _(seed, n):
+def _(seed, n, mode="sr"):
     return seed.new_empty((n,), dtype=torch.float32)

@@ -21,10 +21,11 @@ Bit-exactness rules (the reference is the contract):
 * constants are passed already rounded to FP32 (as torch rounds a Python float divisor).
 
 Random draws: explicit uniforms (``RAND=0``, for tests: the layout of the logical operand, one
-per element for SR and one per 16-group for MS-EDEN) or Philox (``RAND=1``):
-``u = tl.rand(seed, offset)`` with ``offset = m·K + k`` (SR, element (m, k) of ``A``) or
-``offset = m·(K/16) + g`` (MS-EDEN, group g of row m). :func:`rand_kernel` materialises
-``tl.rand(seed, 0..n-1)``, i.e. exactly the draws the seeded path uses.
+per element for SR and one per 16-group for MS-EDEN) or Philox (``RAND=1``): SR element (m, k)
+of ``A`` (flat index ``i = m·K + k``) draws ``tl.rand4x(seed, i // 4)[i % 4]`` (four draws per
+Philox call); MS-EDEN group g of row m draws ``tl.rand(seed, m·(K/16) + g)``.
+:func:`rand_kernel` materialises the SR draws for ``i = 0..n-1``, i.e. exactly what the seeded
+path uses.
 """
 
 from __future__ import annotations
@@ -86,8 +87,10 @@ def _sr_e2m1(v, u):
     hi_i = tl.minimum(lo_i + 1, 7)
     lo = _e2m1_mag(lo_i)
     hi = _e2m1_mag(hi_i)
-    gap = hi - lo
-    p_up = tl.where(gap > 0, tl.math.div_rn(a - lo, tl.where(gap > 0, gap, 1.0)), 0.0)
+    # (a − lo) / (hi − lo): the gaps 0.5, 1 and 2 are powers of two, so multiplying by the
+    # reciprocal is the same IEEE result as dividing (no gap at 6: P(up) = 0).
+    inv_gap = tl.where(lo_i < 4, 2.0, tl.where(lo_i < 6, 1.0, 0.5))
+    p_up = tl.where(lo_i < 7, (a - lo) * inv_gap, 0.0)
     up = u < p_up
     mag = tl.where(up, hi, lo)
     code = tl.where(up, hi_i, lo_i)
@@ -317,7 +320,9 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         if RAND == 0:
             u = tl.load(u_ptr + m * K + k, mask=mask, other=0.0)
         else:
-            u = tl.rand(tl.load(seed_ptr), m * K + k)
+            k4 = (pid_k * (CH * R * 4) + tl.arange(0, CH)[None, :, None, None] * (R * 4)
+                  + tl.arange(0, R)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])
+            u = _philox_uniforms(tl.load(seed_ptr), m * (K // 4) + k4, (BM, CH, R, 16))
 
     s_out, bits_out = _block_scale(raw)
     if FOUR_SIX:
@@ -376,7 +381,21 @@ def unpack_kernel(x_ptr, xs_ptr, val_ptr, NR, NC, SRC: tl.constexpr, BM: tl.cons
 
 
 @triton.jit
-def rand_kernel(seed_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    """``out[i] = tl.rand(seed, i)``: the uniforms the seeded quantizers draw (offset i)."""
+def _philox_uniforms(seed, offset4, SHAPE: tl.constexpr):
+    """Uniforms of shape ``SHAPE`` (last dim a multiple of 4) for flat indices ``i``:
+    ``u[i] = tl.rand4x(seed, i // 4)[i % 4]``, given ``offset4 = i // 4`` with the last dim
+    divided by 4 (one Philox call yields four draws)."""
+    u0, u1, u2, u3 = tl.rand4x(seed, offset4)
+    return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), SHAPE)
+
+
+@triton.jit
+def rand_kernel(seed_ptr, out_ptr, N, FOUR: tl.constexpr, BLOCK: tl.constexpr):
+    """The seeded kernels' uniforms for flat offsets ``i < N``: ``tl.rand4x(seed, i // 4)[i % 4]``
+    (``FOUR``, SR's element draws) or ``tl.rand(seed, i)`` (MS-EDEN's group draws)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, tl.rand(tl.load(seed_ptr), offs), mask=offs < N)
+    if FOUR:
+        u = _philox_uniforms(tl.load(seed_ptr), tl.program_id(0) * (BLOCK // 4) + tl.arange(0, BLOCK // 4), (BLOCK,))
+    else:
+        u = tl.rand(tl.load(seed_ptr), offs)
+    tl.store(out_ptr + offs, u, mask=offs < N)
