@@ -118,6 +118,8 @@ def check() -> None:
                 ("sr", lambda: K.sr(xd, t, u.to(dev)), lambda: quantize_sr(a, u)),
                 ("rht16_rtn", lambda: K.rht_rtn(xd, s16.to(dev), t), lambda: quantize_rtn(rotate(a, s16))),
                 ("rht16_sr", lambda: K.rht_sr(xd, s16.to(dev), t, u.to(dev)), lambda: quantize_sr(rotate(a, s16), u)),
+                (f"rht{h}_rtn", lambda: K.rht_rtn(xd, sg.to(dev), t), lambda: quantize_rtn(rotate(a, sg))),
+                (f"rht{h}_sr", lambda: K.rht_sr(xd, sg.to(dev), t, u.to(dev)), lambda: quantize_sr(rotate(a, sg), u)),
                 (f"rht{h}_eden", lambda: K.rht_ms_eden(xd, sg.to(dev), t, ug.to(dev)),
                  lambda: quantize_ms_eden(rotate(a, sg), ug, chunk=h)),
             ]

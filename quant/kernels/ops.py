@@ -47,7 +47,7 @@ SRC_DENSE, SRC_PACKED, SRC_PACKED_2D = 0, 1, 2
 # with BK = max(16, rotation) so that a whole tile row stays inside one warp; "cols_wide": the
 # same for rotations over 16, which need BK = 128. BK must be a multiple of the rotation size.
 # The interpreter runs ~8 ms per program instance, so it gets large tiles.
-_CONFIG = {"rows": (32, 128, 8), "cols": (256, 16, 8), "cols_wide": (32, 128, 8),
+_CONFIG = {"rows": (32, 128, 8), "cols": (128, 16, 4), "cols_wide": (16, 128, 4),
            "interpret": (128, 256, 4)}
 
 
@@ -347,6 +347,7 @@ def _(x, transpose=False, signs=None, in_scale=None):
 def unpack(data: Tensor, scales: Tensor, tile2d: bool = False) -> Tensor:
     """BF16 ``q · s_block`` of a packed tensor (``R × C/2`` codes, E4M3 scales)."""
     R, C = data.shape[0], data.shape[1] * 2
+    data, scales = data.contiguous(), scales.contiguous()
     out = torch.empty((R, C), dtype=torch.bfloat16, device=data.device)
     if R and C:
         bm, bk, nw = _config()

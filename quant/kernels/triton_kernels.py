@@ -176,12 +176,23 @@ def _fwht(x, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.cons
 
 
 @triton.jit
+def _pair_allsum(v, AX: tl.constexpr, SHAPE: tl.constexpr, FULL: tl.constexpr):
+    """``v`` viewed as ``SHAPE``: every element replaced by the sum of its pair along axis
+    ``AX`` (size 2); returned in the shape ``FULL``."""
+    return tl.reshape(tl.broadcast_to(tl.expand_dims(tl.sum(tl.reshape(v, SHAPE), axis=AX), AX), SHAPE), FULL)
+
+
+@triton.jit
 def _chunk_tree_sum(v, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """``tree_sum`` over each chunk ``[R, 16]`` (flat index ``16·r + j``) of a ``[BM, CH, R, 16]``
-    tile: the R axis is halved first (the high bits), then the 16. Returns ``[BM, CH]``."""
+    tile, left in every element of the chunk (the tile keeps its shape and layout): the pairs
+    that differ in the highest index bit are added first (R's bits, then the 16's), each sum
+    broadcast back over its pair."""
     for s in tl.static_range(LOG_R):
-        v = _halve_sum(v, 2, (BM, CH, 2, R >> (s + 1), 16))
-    return _tree_sum_last(tl.reshape(v, (BM, CH, 16)), BM, CH, 16, 4)
+        v = _pair_allsum(v, 3, (BM, CH, R >> (LOG_R - s), 2, 1 << (LOG_R - 1 - s), 16), (BM, CH, R, 16))
+    for s in tl.static_range(4):
+        v = _pair_allsum(v, 4, (BM, CH, R, 1 << s, 2, 8 >> s), (BM, CH, R, 16))
+    return v
 
 
 @triton.jit
@@ -337,19 +348,20 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     x_s = tl.math.div_rn(x, tl.expand_dims(s_out, 3) * s_t)
     q, code = _round_e2m1(x_s, u, MODE)
 
-    # Group index g = k/16 of each [BM, CH, R] entry, for the per-group uniforms and scales.
+    # Row and group index (g = k/16) of each [BM, CH, R] entry.
+    gm = pid_m * BM + tl.arange(0, BM)[:, None, None]
     g = (pid_k * (CH * R) + tl.arange(0, CH)[None, :, None] * R + tl.arange(0, R)[None, None, :])
     if MODE == 2:
-        # EDEN correction per rotation chunk (SPEC §2, MS-EDEN steps 4–5).
+        # EDEN correction per rotation chunk (SPEC §2, MS-EDEN steps 4–5); S is computed in every
+        # element of its chunk and read back per group (all equal, so the max is S itself).
         num = _chunk_tree_sum(x_s * x_s, BM, CH, R, LOG_R)
         den = _chunk_tree_sum(x_s * q, BM, CH, R, LOG_R)
-        S = tl.where(den != 0, tl.math.div_rn(num, tl.where(den != 0, den, 1.0)), 1.0)   # [BM, CH]
-        c = s_out * tl.expand_dims(S, 2)
-        mg = pid_m * BM + tl.arange(0, BM)[:, None, None]
+        S = tl.where(den != 0, tl.math.div_rn(num, tl.where(den != 0, den, 1.0)), 1.0)
+        c = s_out * tl.max(S, axis=3)
         if RAND == 0:
-            ug = tl.load(u_ptr + mg * (K // 16) + g, mask=(mg < M) & (g < K // 16), other=0.0)
+            ug = tl.load(u_ptr + gm * (K // 16) + g, mask=(gm < M) & (g < K // 16), other=0.0)
         else:
-            ug = tl.rand(tl.load(seed_ptr), mg * (K // 16) + g)
+            ug = tl.rand(tl.load(seed_ptr), gm * (K // 16) + g)
         s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
@@ -366,8 +378,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
             r16 = pid_m + tl.zeros((1, CH, R), dtype=tl.int32)
             tl.store(sc_ptr + r16 * (K // 16) + g, bits_out, mask=(r16 < M // 16) & (g < K // 16))
         else:
-            mg2 = pid_m * BM + tl.arange(0, BM)[:, None, None]
-            tl.store(sc_ptr + mg2 * (K // 16) + g, bits_out, mask=(mg2 < M) & (g < K // 16))
+            tl.store(sc_ptr + gm * (K // 16) + g, bits_out, mask=(gm < M) & (g < K // 16))
 
 
 @triton.jit
