@@ -162,8 +162,31 @@ def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool):
     return ((M, Kd) if values else (0,)), ((M, Kd // 2) if pack else (0,)), (sc if pack else (0,))
 
 
+COPY_ROTATED_COLS = not _INTERPRET
+"""Quantize rotated operands that are read across memory rows (``A = Xᵀ``, or a transposed
+packed tensor) from a contiguous BF16/FP32 copy of ``A`` instead of through strides. On the H200
+with triton 3.6 the in-kernel strided path of the rotating kernels is about 10× slower than the
+row path, more than the copy costs (docs/performance.md). Both paths are bit-identical (the
+interpreter, where the copy buys nothing, defaults to the strided path; tests exercise both)."""
+
+
+def _rows_copy(x, x_scales, src, transpose, signs):
+    """``(x, x_scales, src, transpose)`` of the operand to quantize: a contiguous copy of ``A``
+    when it is rotated and read across memory rows on the GPU (:data:`COPY_ROTATED_COLS`)."""
+    if not COPY_ROTATED_COLS or signs is None:
+        return x, x_scales, src, transpose
+    if src == SRC_DENSE:
+        a = x.t() if transpose else x
+        return (a.contiguous(), None, src, False) if a.dim() == 2 and a.stride(-1) != 1 else (x, None, src, transpose)
+    if not transpose:
+        return x, x_scales, src, transpose
+    # The exact BF16 q · s_block of the packed tensor, transposed; in_scale still applies.
+    return unpack(x, x_scales, src == SRC_PACKED_2D).t().contiguous(), None, SRC_DENSE, False
+
+
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    mode, four_over_six, values, pack):
+    x, x_scales, src, transpose = _rows_copy(x, x_scales, src, transpose, signs)
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
     rot, inv = _rotation(signs)
     _check(M, Kd, mode, rot)
