@@ -100,20 +100,23 @@ def _sr_e2m1(v, u):
 
 @triton.jit
 def _sr_e4m3(c, u):
-    """``stochastic_round_e4m3``: c >= 0 to one of its E4M3 neighbours. Returns (value, bits)."""
+    """``stochastic_round_e4m3``: c >= 0 to one of its E4M3 neighbours. Returns (value, bits).
+
+    The neighbours come from c's binary exponent e (at least −6, the subnormals' spacing):
+    the E4M3 grid step there is ``2^(e−3)``, so ``down = floor(c / step) · step`` and
+    ``up = down + step`` (``down == up == c`` when c is representable), all exact; dividing by
+    the power-of-two step is a multiplication by its exact reciprocal. (Reading the neighbours
+    off the bit pattern ±1, as ``quant.format.e4m3_neighbours`` does, gave wrong neighbours on
+    the H200 with triton 3.6.)"""
     c = tl.minimum(c, 448.0)
-    bits = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    rf = _e4m3_value(bits.to(tl.uint8))
-    below = _e4m3_value(tl.maximum(bits - 1, 0).to(tl.uint8))
-    above = _e4m3_value(tl.minimum(bits + 1, 0x7E).to(tl.uint8))
-    down = tl.where(rf > c, below, rf)
-    up = tl.where(rf < c, above, rf)
-    down_bits = tl.where(rf > c, tl.maximum(bits - 1, 0), bits)
-    up_bits = tl.where(rf < c, tl.minimum(bits + 1, 0x7E), bits)
-    gap = up - down
-    p_up = tl.where(gap > 0, tl.math.div_rn(c - down, tl.where(gap > 0, gap, 1.0)), 0.0)
-    take_up = u < p_up
-    return tl.where(take_up, up, down), tl.where(take_up, up_bits, down_bits).to(tl.uint8)
+    e = tl.maximum(((c.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((e + 124) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)
+    down = tl.floor(c * inv_step) * step
+    up = tl.where(down < c, down + step, down)
+    take_up = u < (c - down) * inv_step
+    val = tl.where(take_up, up, down)
+    return val, _e4m3_bits(val)
 
 
 @triton.jit
