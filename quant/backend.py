@@ -87,14 +87,12 @@ def triton_available() -> bool:
 
 
 FAMILIES = ("rtn", "sr", "rht", "eden", "packed")
-AUTO_FAMILIES_DEFAULT = ("rtn", "sr", "rht")
-"""Kernel families that ``auto`` runs on CUDA: those verified bit-exact on the H200
-(docs/performance.md): ``rtn`` (RTN 1×16 / 16×16, ±4/6), ``sr`` and ``rht`` (Hadamard rotation
-followed by RTN or SR). ``eden`` (rotation + MS-EDEN) passes every interpreter test but gives
-wrong scales on the H200 (triton 3.6), and ``packed`` (quantizing straight from a saved packed
-operand) is verified on the GPU only for the plain unpack; ``auto`` keeps the reference for
-those two. Override with e.g. ``NVFP4_AUTO_KERNELS=rtn,sr,rht,eden,packed``; ``NVFP4_BACKEND=
-triton`` runs every family."""
+AUTO_FAMILIES_DEFAULT = FAMILIES
+"""Kernel families that ``auto`` runs on CUDA: all of them, each verified bit-exact against the
+reference on the H200 (docs/performance.md, "Correctness"): ``rtn`` (RTN 1×16 / 16×16, ±4/6),
+``sr``, ``rht`` (Hadamard rotation followed by RTN or SR), ``eden`` (rotation + MS-EDEN) and
+``packed`` (quantizing straight from a saved packed operand). ``NVFP4_AUTO_KERNELS`` narrows it
+(e.g. ``rtn,sr`` to run the rest on the reference)."""
 
 
 def auto_families() -> tuple[str, ...]:

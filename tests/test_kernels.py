@@ -74,9 +74,6 @@ def test_interpreter_subprocess():
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 SHAPES = [(48, 160), (144, 256)]
-EDEN_GPU_XFAIL = pytest.mark.xfail(
-    CUDA, strict=False, reason="known issue: the MS-EDEN kernel gives wrong and run-to-run "
-    "varying block scales on the H200 with triton 3.6 (exact in the interpreter); see docs/performance.md")
 
 
 def _data(shape, seed=0, dtype=torch.float32):
@@ -155,7 +152,6 @@ def test_sr_seeded_draws(shape, transpose):
     _check(out, quantize_sr(a, u))
 
 
-@EDEN_GPU_XFAIL
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("seeded", [False, True])
@@ -190,7 +186,6 @@ def test_rht_sr_and_rht_rtn(shape, transpose):
     _check(K.rht_rtn(x.to(DEV), signs.to(DEV), transpose, None, True), quantize_rtn(xr))
 
 
-@EDEN_GPU_XFAIL
 @pytest.mark.parametrize("tile", ["1x16", "16x16"])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_packed_source(tile, transpose):
@@ -281,6 +276,14 @@ def test_backend_choice(monkeypatch):
     assert backend.use_triton(torch.zeros(1))
     with pytest.raises(ValueError):
         backend.set_backend("cuda")
+    monkeypatch.delenv("NVFP4_BACKEND")
+    assert backend.auto_families() == backend.FAMILIES  # every family is verified on the H200
+    monkeypatch.setenv("NVFP4_AUTO_KERNELS", "rtn, sr")
+    assert backend.auto_families() == ("rtn", "sr")
+    assert not backend.use_triton(torch.zeros(1, device=DEV), "eden")
+    monkeypatch.setenv("NVFP4_AUTO_KERNELS", "rtn,mx")
+    with pytest.raises(ValueError, match="mx"):
+        backend.auto_families()
 
 
 def _run_linear(scheme, x, w, dy, autocast):
@@ -321,7 +324,6 @@ def test_function_matches_reference(name, kw):
         assert torch.equal(_bits(r), _bits(o)), f"{name}: {what} differs"
 
 
-@EDEN_GPU_XFAIL
 def test_function_philox_draws_deterministic():
     """The production draw mode: a pure function of (seed, step, micro-step, layer, role)."""
     scheme = quant.get_scheme("quartet2")
@@ -371,7 +373,6 @@ def test_gpu_large_shapes(transpose):
     assert math.isfinite(float(K.amax(x.to(DEV))))
 
 
-@EDEN_GPU_XFAIL
 @pytest.mark.skipif(not CUDA, reason="large-shape check of the compiled kernels")
 @pytest.mark.parametrize("transpose", [False, True])
 def test_gpu_large_shapes_eden(transpose):
