@@ -1,7 +1,8 @@
 """Bandwidth of each NVFP4 Triton quantizer against the device's copy bandwidth.
 
     python scripts/bench_kernels.py                      # 16384×4096 BF16, rows and columns
-    python scripts/bench_kernels.py --sweep              # also try a few tile shapes
+    python scripts/bench_kernels.py --sweep              # try the SWEEP tile shapes of every layout
+    python scripts/bench_kernels.py --sweep rows_wide --only eden   # one layout, some kernels
 
 Every kernel quantizes a BF16 ``M × K`` input along its rows (``A = X``) or its columns
 (``A = Xᵀ``, no transpose copy). Time = the whole op: the amax pass (reads X, rotating it when
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Tile configs tried by --sweep, per operand layout (see quant.kernels.ops._CONFIG).
 SWEEP = {
     "rows": [(32, 128, 8), (16, 128, 4), (64, 128, 8), (32, 128, 4)],
+    "rows_wide": [(4, 128, 1), (8, 128, 1), (8, 128, 2), (32, 128, 8)],
     "cols": [(256, 16, 8), (128, 16, 4), (512, 16, 8), (128, 32, 4)],
     "cols_wide": [(32, 128, 8), (16, 128, 8), (8, 128, 4), (16, 128, 4)],
 }
@@ -145,7 +147,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16384)
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--sweep", action="store_true", help="time every kernel under the SWEEP tile configs")
+    p.add_argument("--sweep", nargs="*", default=None, metavar="LAYOUT",
+                   help="time the kernels under the SWEEP tile configs of these layouts (none named: all)")
     p.add_argument("--only", nargs="*", default=None, help="substrings of kernel names to run")
     p.add_argument("--check", action="store_true", help="only check bit-exactness on this device")
     a = p.parse_args()
@@ -174,28 +177,36 @@ def main() -> None:
         except Exception as e:  # report and go on
             rows.append(f"| {name} | {dim} | {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |")
             print(rows[-1], flush=True)
-            return
+            return float("inf")
         moved = 2 * n + 2 * n + 2 * n + ((n // 2 + n // 16) if packed else 0)
         bw = moved / s
         rows.append(f"| {name} | {dim} | {cfg} | {s * 1e6:.1f} | {s / copy_s:.2f} | {moved / 1e9:.2f} | "
                     f"{bw / 1e12:.2f} | {bw / copy_bw:.0%} | {target:.0%} | {eager * 1e6:.0f} |")
         print(rows[-1], flush=True)
+        return s
 
     def layout(name: str, t: bool) -> str:
-        wide = "rht32" in name or "rht128" in name
-        return "rows" if not t else "cols_wide" if wide else "cols"
+        if not t:
+            return "rows_wide" if "rht128" in name else "rows"
+        return "cols_wide" if "rht32" in name or "rht128" in name else "cols"
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
-    if a.sweep:
+    if a.sweep is not None:
         defaults = dict(ops._CONFIG)
+        best = {}
         for lay, cfgs in SWEEP.items():
+            if a.sweep and lay not in a.sweep:
+                continue
             for cfg in cfgs:
                 ops.set_block_config(lay, *cfg)
-                for name, target, fn, packed in selected:
-                    for t in (False, True):
-                        if layout(name, t) == lay:
-                            run(name, target, fn, packed, t, cfg)
+                total = sum(run(name, target, fn, packed, t, cfg)
+                            for name, target, fn, packed in selected for t in (False, True)
+                            if layout(name, t) == lay)
+                if total and total < best.get(lay, (float("inf"),))[0]:
+                    best[lay] = (total, cfg)
             ops.set_block_config(lay, *defaults[lay])
+        for lay, (total, cfg) in best.items():  # NVFP4_TILE_<LAYOUT> values
+            print(f"best {lay}: {','.join(map(str, cfg))} ({total * 1e6:.0f} µs over its kernels)")
     else:
         for name, target, fn, packed in selected:
             for t in (False, True):

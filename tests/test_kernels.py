@@ -234,6 +234,25 @@ def test_rotated_columns_both_paths(copy, source, monkeypatch):
     _check(out, quantize_sr(rotate(a, signs), u))
 
 
+@pytest.mark.parametrize("tile", [(4, 128, 1), (128, 16, 4)])
+def test_gpu_tile_shapes(tile, monkeypatch):
+    """The tile shapes the GPU uses (one-warp 4-row tiles for MS-EDEN rows, 16-wide column
+    tiles) give the reference's results too: the tile index arithmetic does not depend on the
+    interpreter's large tiles. On the GPU these are the configs in use anyway."""
+    if not CUDA:
+        monkeypatch.setitem(kops._CONFIG, "interpret", tile)
+    x = _data((48, 256), seed=41)
+    for t in (False, True):
+        a = _logical(x, t)
+        h = 128 if a.shape[1] % 128 == 0 else 16
+        signs = random_signs(h, torch.Generator().manual_seed(42), "cpu")
+        ug = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(43))
+        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), t, ug.to(DEV), None, None, True)
+        _check(out, quantize_ms_eden(rotate(a, signs), ug, chunk=h))
+        _check(K.rtn(x.to(DEV), t, True), quantize_rtn(a, four_over_six=True))
+    _check(K.rtn_2d(x.to(DEV), False, True), quantize_rtn_2d(x, four_over_six=True))
+
+
 def test_delayed_amax_and_scaled_input():
     x = _data((48, 160), seed=15)
     prev = torch.tensor(3.5)

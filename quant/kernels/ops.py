@@ -21,6 +21,7 @@ returns exactly the draws the seeded path uses.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import numpy as np
@@ -43,29 +44,45 @@ SRC_DENSE, SRC_PACKED, SRC_PACKED_2D = 0, 1, 2
 
 # Tiles ``[BM, BK]`` and warps per layout of the logical operand (chosen from offline sm_90
 # register/shared-memory reports and the H200 sweep of scripts/bench_kernels.py --sweep):
-# "rows": A's rows are contiguous (groups along memory); "cols": A = Xᵀ read through strides,
-# with BK = max(16, rotation) so that a whole tile row stays inside one warp; "cols_wide": the
-# same for rotations over 16, which need BK = 128. BK must be a multiple of the rotation size.
-# The interpreter runs ~8 ms per program instance, so it gets large tiles.
-_CONFIG = {"rows": (32, 128, 8), "cols": (128, 16, 4), "cols_wide": (16, 128, 4),
-           "interpret": (128, 256, 4)}
+# "rows": A's rows are contiguous (groups along memory); "rows_wide": the same for rotations of
+# 64 or more, whose butterfly stages across groups stay inside one warp only with one-warp
+# tiles; "cols": A = Xᵀ read through strides, BK = max(16, rotation); "cols_wide": the same for
+# rotations over 16, which need BK = 128 (on the GPU, rotated columns go through a contiguous
+# copy instead: COPY_ROTATED_COLS). BK must be a multiple of the rotation size. The interpreter
+# runs ~8 ms per program instance, so it gets large tiles. ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS``
+# (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's tile at import.
+_CONFIG = {"rows": (32, 128, 8), "rows_wide": (4, 128, 1), "cols": (128, 16, 4),
+           "cols_wide": (16, 128, 4), "interpret": (128, 256, 4)}
 
 
 def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
-    """Override the tile of one layout (``rows``, ``cols``, ``cols_wide``; benchmark sweeps)."""
+    """Override the tile of one layout (``rows``, ``rows_wide``, ``cols``, ``cols_wide``)."""
     if layout not in _CONFIG:
         raise ValueError(f"unknown layout {layout!r}; one of {sorted(_CONFIG)}")
-    if bk % GROUP or bm & (bm - 1) or bk & (bk - 1):
-        raise ValueError("BM and BK must be powers of two, BK a multiple of 16")
+    if bk % GROUP or bm & (bm - 1) or bk & (bk - 1) or num_warps & (num_warps - 1):
+        raise ValueError("BM, BK and the warps must be powers of two, BK a multiple of 16")
     _CONFIG[layout] = (bm, bk, num_warps)
 
 
 def _config(rot: int = 0, cols: bool = False) -> tuple[int, int, int]:
     """(BM, BK, num_warps) for an operand rotated in chunks of ``rot`` (0: none)."""
     if _INTERPRET:
-        return _CONFIG["interpret"]
-    bm, bk, nw = _CONFIG["cols" if cols and rot <= GROUP else "cols_wide" if cols else "rows"]
+        layout = "interpret"
+    elif cols:
+        layout = "cols" if rot <= GROUP else "cols_wide"
+    else:
+        layout = "rows_wide" if rot >= 64 else "rows"
+    bm, bk, nw = _CONFIG[layout]
     return bm, max(bk, rot), nw
+
+
+for _layout in list(_CONFIG):
+    _env = os.environ.get(f"NVFP4_TILE_{_layout.upper()}")
+    if _env:
+        try:
+            set_block_config(_layout, *(int(v) for v in _env.split(",")))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"NVFP4_TILE_{_layout.upper()}={_env!r}: expected BM,BK,WARPS ({e})") from None
 
 
 def _f32(v: float) -> float:
