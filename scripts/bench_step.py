@@ -2,6 +2,7 @@
 
     python scripts/bench_step.py --model 1.9b --schemes bf16 quartet2 --ac none full
     python scripts/bench_step.py --model 100m --batch 32 --seq 512 --compile
+    python scripts/bench_step.py --model 100m --schemes quartet2 --profile 20   # where the time goes
     torchrun --nproc_per_node 8 scripts/bench_step.py --model 1.9b --fsdp --batch 16
 
 One device per process. With ``--fsdp`` the model is sharded with FSDP2 over all ranks (also on
@@ -68,6 +69,8 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    if args.profile:
+        profile_step(model, opt, cfg, args, device, g)
     med = statistics.median(times)
     tokens = args.batch * args.seq
     del model, opt
@@ -75,6 +78,32 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
         torch.cuda.empty_cache()
     return {"ms": med * 1e3, "tps": tokens / med, "flops": flops_per_token * tokens / med, "mem": peak_mem,
             "loss": loss.item()}
+
+
+def profile_step(model, opt, cfg, args, device, g) -> None:
+    """One more step under ``torch.profiler``: the device kernels grouped by name, with their
+    share of the step's device time (where the time of a quantized step goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    x = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq + 1), device=device, generator=g)
+    with profile(activities=acts) as prof:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total if device.type == "cuda" else e.self_cpu_time_total, e.count)
+            for e in prof.key_averages()]
+    if device.type == "cuda":
+        rows = [r for r in rows if r[1] > 0 and not r[0].startswith(("cuda", "aten::", "autograd", "Optimizer"))]
+    total = sum(r[1] for r in rows) or 1.0
+    print(f"\nprofile of one step ({'device' if device.type == 'cuda' else 'CPU'} time {total / 1e3:.1f} ms; top kernels):")
+    print("| kernel | calls | time (ms) | share |\n|---|---|---|---|")
+    for name, t, n in sorted(rows, key=lambda r: -r[1])[:args.profile]:
+        print(f"| {name[:90]} | {n} | {t / 1e3:.2f} | {t / total:.1%} |")
 
 
 def main() -> None:
@@ -89,6 +118,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--peak-flops", type=float, default=None, help="BF16 peak FLOP/s for MFU")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 over all ranks (torchrun)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile one step and print its N most expensive kernels")
     a = p.parse_args()
     mesh, world = None, 1
     if a.fsdp:
