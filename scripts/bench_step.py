@@ -95,10 +95,14 @@ def profile_step(model, opt, cfg, args, device, g) -> None:
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total if device.type == "cuda" else e.self_cpu_time_total, e.count)
-            for e in prof.key_averages()]
-    if device.type == "cuda":
-        rows = [r for r in rows if r[1] > 0 and not r[0].startswith(("cuda", "aten::", "autograd", "Optimizer"))]
+    if device.type == "cuda":  # device kernels only (host ranges would count their kernels again)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+        rows = [(k, sum(v), len(v)) for k, v in by_name.items()]
+    else:
+        rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
     total = sum(r[1] for r in rows) or 1.0
     print(f"\nprofile of one step ({'device' if device.type == 'cuda' else 'CPU'} time {total / 1e3:.1f} ms; top kernels):")
     print("| kernel | calls | time (ms) | share |\n|---|---|---|---|")
