@@ -212,7 +212,6 @@ class QuantizedLinearFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-@torch.compiler.disable
 def quantized_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -220,11 +219,7 @@ def quantized_linear(
     layer: int = 0,
     delayed_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Functional form of :class:`QuantizedLinearFunction` (no bias).
-
-    Runs eagerly under ``torch.compile``: its counter-based generators (:mod:`quant.randomness`)
-    cannot be traced, and letting dynamo try split each block at every generator (9 graphs per
-    block); disabled, the compiled block breaks once per quantized linear."""
+    """Functional form of :class:`QuantizedLinearFunction` (no bias)."""
     return QuantizedLinearFunction.apply(x, weight, scheme, layer, delayed_amax)
 
 
