@@ -1,0 +1,22 @@
+"""The benchmark scripts run end to end (on CPU, tiny shapes); their numbers are only meaningful on
+a GPU (docs/performance.md), so only the output's structure is checked here."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_step_tables_and_profile():
+    r = subprocess.run(
+        [sys.executable, "scripts/bench_step.py", "--model", "tiny", "--schemes", "bf16", "quartet2",
+         "--steps", "1", "--warmup", "1", "--batch", "2", "--seq", "64", "--profile", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert out.count("profile of one step") == 2  # one per scheme
+    rows = [line for line in out.splitlines() if line.startswith(("| bf16 |", "| quartet2 |"))]
+    assert len(rows) == 4  # printed as measured, then again in the final table
+    ratio = float(rows[-1].split("|")[-2])
+    assert ratio > 0 and float(rows[-2].split("|")[-2]) == 1.0  # × first scheme: bf16 is the base
