@@ -20,3 +20,20 @@ def test_bench_step_tables_and_profile():
     assert len(rows) == 4  # printed as measured, then again in the final table
     ratio = float(rows[-1].split("|")[-2])
     assert ratio > 0 and float(rows[-2].split("|")[-2]) == 1.0  # × first scheme: bf16 is the base
+
+
+def test_kernel_report_compiles_for_sm90_offline():
+    import pytest
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this triton wheel ships no ptxas")
+    r = subprocess.run([sys.executable, "scripts/kernel_report.py", "--kernels", "rtn", "rht16_sr",
+                        "--dims", "rows"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith(("| rtn |", "| rht16_sr |"))]
+    assert len(rows) == 2
+    for cells in rows:
+        registers, spills = int(cells[4]), int(cells[5])
+        assert 16 <= registers <= 255 and spills >= 0

@@ -1,0 +1,123 @@
+"""Compile the quantization kernels for an H100/H200 (sm_90) without a GPU and report, per
+variant, what decides their speed: registers per thread, spilled bytes, layout conversions,
+shared-memory loads, barriers and shuffles (from ``triton.compile`` and the ``ptxas -v`` that
+ships with triton).
+
+    python scripts/kernel_report.py                                   # every kernel, the tiles in use
+    python scripts/kernel_report.py --kernels rht128_eden --tiles 4x128x1 32x128x8
+    PYTHONPATH=/path/to/triton-3.6 python scripts/kernel_report.py    # the GPU box's triton version
+
+Use the triton version of the GPU you target: builds of the same source differ between versions
+(docs/performance.md). Columns and rows are the operand read along its memory rows (``rows``) or
+across them (``cols``, A = Xᵀ through strides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quant.kernels import ops  # noqa: E402
+from quant.kernels import triton_kernels as K  # noqa: E402
+
+POINTERS = {"x_ptr": "*bf16", "xs_ptr": "*u8", "scale_ptr": "*fp32", "signs_ptr": "*fp32",
+            "amax_ptr": "*fp32", "u_ptr": "*fp32", "seed_ptr": "*i64", "val_ptr": "*bf16",
+            "code_ptr": "*u8", "sc_ptr": "*u8", "st_ptr": "*fp32"}
+
+# name: (quantizer mode, rotation, 4/6, 16×16 tiles)
+KERNELS = {
+    "rtn": ("rtn", 0, False), "rtn46": ("rtn", 0, True), "rtn2d": ("rtn_2d", 0, False),
+    "rtn2d46": ("rtn_2d", 0, True), "sr": ("sr", 0, False), "rht16_rtn": ("rtn", 16, False),
+    "rht16_sr": ("sr", 16, False), "rht32_sr": ("sr", 32, False), "rht128_eden": ("ms_eden", 128, False),
+}
+
+
+def ptxas_path() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
+    """Compile one kernel variant for sm_90 and read its resource usage."""
+    mode, rot, four_six = KERNELS[name]
+    bm, bk, warps = tile
+    bk = max(bk, rot)
+    r = rot // 16 if rot else bk // 16
+    t_t, t_b = ops._targets(mode, four_six)
+    consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, PT=False, HAS_SCALE=False, ROT=rot,
+                  INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
+                  MODE={"rtn": 0, "rtn_2d": 0, "sr": 1, "ms_eden": 2}[mode], FOUR_SIX=four_six,
+                  TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=True, PACK=True,
+                  BM=16 if mode == "rtn_2d" else bm, CH=bk // (r * 16), R=r,
+                  LOG_R=int(math.log2(r)) if rot else 0,
+                  **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
+    fn = K.quant_kernel
+    index = {a: i for i, a in enumerate(fn.arg_names)}
+    signature = {a: "constexpr" if a in consts else POINTERS.get(a, "i32") for a in fn.arg_names}
+    aligned = [a for a in fn.arg_names if signature[a].startswith("*")] + [
+        a for a in ("M", "K", "P_C", "stride_k" if cols else "stride_m") if signature[a] == "i32"]
+    src = ASTSource(fn=fn, signature=signature, constexprs={(index[k],): v for k, v in consts.items()},
+                    attrs={(index[a],): [["tt.divisibility", 16]] for a in aligned})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": warps, "enable_fp_fusion": False})
+    ptx = ck.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        Path(path).write_text(ptx)
+        target = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+        log = subprocess.run([str(ptxas_path()), "-v", f"-arch={target}", path, "-o", path + ".o"],
+                             capture_output=True, text=True).stderr
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": number(r"Used (\d+) registers"), "spill bytes": number(r"(\d+) bytes spill stores"),
+            "layout conversions": ck.asm["ttgir"].count("convert_layout"),
+            "shared loads": len(re.findall(r"ld\.shared", ptx)), "barriers": ptx.count("bar.sync"),
+            "shuffles": ptx.count("shfl.sync")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    p.add_argument("--tiles", nargs="+", default=None, metavar="BMxBKxWARPS",
+                   help="tiles to compile (default: the ones quant.kernels.ops uses per layout)")
+    p.add_argument("--dims", nargs="+", default=["rows", "cols"], choices=["rows", "cols"])
+    a = p.parse_args()
+    if not ptxas_path().exists():
+        sys.exit(f"no ptxas at {ptxas_path()}: this triton wheel has no NVIDIA backend tools")
+    print(f"triton {triton.__version__}, target sm_90 (offline)\n")
+    rows = None
+    for name in a.kernels:
+        rot = KERNELS[name][1]
+        for dim in a.dims:
+            if a.tiles:
+                tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles]
+            else:
+                cols = dim == "cols"
+                tiles = [ops._CONFIG["cols" if rot <= 16 else "cols_wide"] if cols
+                         else ops._CONFIG["rows_wide" if rot >= 64 else "rows"]]
+            for tile in tiles:
+                r = report(name, tile, dim == "cols")
+                if rows is None:
+                    rows = ["| kernel | dim | tile (BM, BK, warps) | " + " | ".join(r) + " |",
+                            "|---|---|---|" + "---|" * len(r)]
+                    print("\n".join(rows), flush=True)
+                rows.append(f"| {name} | {dim} | {tile} | " + " | ".join(str(v) for v in r.values()) + " |")
+                print(rows[-1], flush=True)
+
+
+if __name__ == "__main__":
+    main()
