@@ -36,7 +36,7 @@ POINTERS = {"x_ptr": "*bf16", "xs_ptr": "*u8", "scale_ptr": "*fp32", "signs_ptr"
             "amax_ptr": "*fp32", "u_ptr": "*fp32", "seed_ptr": "*i64", "val_ptr": "*bf16",
             "code_ptr": "*u8", "sc_ptr": "*u8", "st_ptr": "*fp32"}
 
-# name: (quantizer mode, rotation, 4/6, 16×16 tiles)
+# name: (quantizer, rotation size, 4/6)
 KERNELS = {
     "rtn": ("rtn", 0, False), "rtn46": ("rtn", 0, True), "rtn2d": ("rtn_2d", 0, False),
     "rtn2d46": ("rtn_2d", 0, True), "sr": ("sr", 0, False), "rht16_rtn": ("rtn", 16, False),
@@ -57,7 +57,7 @@ def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
     t_t, t_b = ops._targets(mode, four_six)
     consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, PT=False, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
-                  MODE={"rtn": 0, "rtn_2d": 0, "sr": 1, "ms_eden": 2}[mode], FOUR_SIX=four_six,
+                  MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=True, PACK=True,
                   BM=16 if mode == "rtn_2d" else bm, CH=bk // (r * 16), R=r,
                   LOG_R=int(math.log2(r)) if rot else 0,

@@ -41,6 +41,8 @@ if _INTERPRET:
 
 # Source kinds of an operand.
 SRC_DENSE, SRC_PACKED, SRC_PACKED_2D = 0, 1, 2
+# quant_kernel's MODE per quantizer name.
+MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.MODE_EDEN}
 
 # Tiles ``[BM, BK]`` and warps per layout of the logical operand (chosen from offline sm_90
 # register/shared-memory reports and the H200 sweep of scripts/bench_kernels.py --sweep):
@@ -237,7 +239,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 val, codes, scales, st, M, Kd, sm, sk, pc,
                 T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, PT=pt, HAS_SCALE=in_scale is not None,
                 ROT=rot, INV_SQRT=inv,
-                MODE={"rtn": 0, "rtn_2d": 0, "sr": 1, "ms_eden": 2}[mode],
+                MODE=MODES[mode],
                 FOUR_SIX=four_over_six, TILE2D=mode == "rtn_2d", RAND=0 if uniforms is not None else 1,
                 WRITE_VALUES=values, PACK=pack, num_warps=nw, **meta)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current

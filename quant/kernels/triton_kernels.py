@@ -2,7 +2,8 @@
 
 Every kernel works on a *logical* 2-D operand ``A`` (``M × K``, groups of 16 along ``K``, the GEMM's
 reduction dim). ``A`` is read through strides, so ``A = X`` and ``A = Xᵀ`` are the same kernel:
-the tile transpose happens in registers/shared memory, never as a ``.t().contiguous()`` copy.
+the tile transpose happens in registers/shared memory (the launcher may still choose a
+contiguous copy where that is faster: ``quant.kernels.ops.COPY_ROTATED_COLS``).
 ``A`` is either dense (any float dtype, optionally times an FP32 tensor scale) or a packed NVFP4
 tensor (two E2M1 codes per byte + E4M3 scales, 1×16 or 16×16), possibly transposed.
 
@@ -12,10 +13,11 @@ not fit on chip): :func:`amax_kernel` reads ``A`` (rotating it if asked) and ``a
 GEMM-ready values ``q · s_block`` in BF16 and, optionally, the packed storage form.
 
 Bit-exactness rules (the reference is the contract):
-* every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs);
+* every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs),
+  except by powers of two, which are multiplications by their exact reciprocals;
 * launch with ``enable_fp_fusion=False`` so that no multiply–add pair is contracted to an FMA;
-* the Hadamard butterfly and the EDEN chunk sums are fixed trees of single additions built from
-  reshape / permute / split / join, in the order of :func:`quant.hadamard.fwht` and
+* the Hadamard butterfly and the EDEN chunk sums are fixed trees of single additions, each a
+  sum over a size-2 axis of the reshaped tile, in the order of :func:`quant.hadamard.fwht` and
   :func:`quant.quantizers.tree_sum`;
 * values are clamped to 448 before every E4M3 cast;
 * constants are passed already rounded to FP32 (as torch rounds a Python float divisor).
@@ -151,16 +153,13 @@ def _butterfly(v, AX: tl.constexpr, SHAPE: tl.constexpr, LO):
 
 
 @triton.jit
-def _pair_index(AX: tl.constexpr, RANK: tl.constexpr):
-    """``True`` at index 0 of axis ``AX`` of a rank-``RANK`` tensor (broadcastable)."""
+def _pair_index(AX: tl.constexpr):
+    """``True`` at index 0 of axis ``AX`` (3 or 4) of a rank-6 tensor, broadcastable."""
     i = tl.arange(0, 2)
-    if RANK == 6:
-        if AX == 2:
-            i = i[None, None, :, None, None, None]
-        elif AX == 3:
-            i = i[None, None, None, :, None, None]
-        else:
-            i = i[None, None, None, None, :, None]
+    if AX == 3:
+        i = i[None, None, None, :, None, None]
+    else:
+        i = i[None, None, None, None, :, None]
     return i == 0
 
 
@@ -170,10 +169,10 @@ def _fwht(x, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.cons
     tile, chunk index ``16·r + j``: stage ``s`` pairs the indices that differ in bit ``s`` (bits
     0–3 on the last axis, 4… on the R axis), the lower one as ``a``."""
     for s in tl.static_range(4):
-        x = _butterfly(x, 4, (BM, CH, R, 8 >> s, 2, 1 << s), _pair_index(4, 6))
+        x = _butterfly(x, 4, (BM, CH, R, 8 >> s, 2, 1 << s), _pair_index(4))
         x = tl.reshape(x, (BM, CH, R, 16))
     for s in tl.static_range(LOG_R):
-        x = _butterfly(x, 3, (BM, CH, R >> (s + 1), 2, 1 << s, 16), _pair_index(3, 6))
+        x = _butterfly(x, 3, (BM, CH, R >> (s + 1), 2, 1 << s, 16), _pair_index(3))
         x = tl.reshape(x, (BM, CH, R, 16))
     return x
 
