@@ -17,6 +17,7 @@ RTN/SR/4-6, ≥ 60% for the fused rotation + MS-EDEN.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -186,9 +187,8 @@ def main() -> None:
         return s
 
     def layout(name: str, t: bool) -> str:
-        if not t:
-            return "rows_wide" if "rht128" in name else "rows"
-        return "cols_wide" if "rht32" in name or "rht128" in name else "cols"
+        rotation = re.match(r"rht(\d+)", name)
+        return ops.layout_of(int(rotation.group(1)) if rotation else 0, t)
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
     if a.sweep is not None:

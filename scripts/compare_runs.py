@@ -783,6 +783,18 @@ def _color(scheme: str, schemes: list[str]) -> Any:
     return plt.get_cmap("tab10")(schemes.index(scheme) % 10)
 
 
+def _save_figure(fig, path: Path, dpi: int) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_gaps(report: Report, path: Path, baseline: str = BASELINE) -> Path:
     """Loss gap against tokens per parameter: one panel per model size, one line per scheme."""
     import matplotlib
@@ -813,12 +825,7 @@ def plot_gaps(report: Report, path: Path, baseline: str = BASELINE) -> Path:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel(f"final val loss − {baseline}")
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path, dpi=120)
 
 
 def plot_curves(report: Report, path: Path, baseline: str = BASELINE) -> Path:
@@ -857,12 +864,7 @@ def plot_curves(report: Report, path: Path, baseline: str = BASELINE) -> Path:
             if j == 0:
                 ax.set_ylabel(f"val loss − {baseline}")
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path, dpi=110)
 
 
 def report_json(report: Report) -> dict:

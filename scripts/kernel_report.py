@@ -52,15 +52,12 @@ def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
     """Compile one kernel variant for sm_90 and read its resource usage."""
     mode, rot, four_six = KERNELS[name]
     bm, bk, warps = tile
-    bk = max(bk, rot)
-    r = rot // 16 if rot else bk // 16
     t_t, t_b = ops._targets(mode, four_six)
     consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, PT=False, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=True, PACK=True,
-                  BM=16 if mode == "rtn_2d" else bm, CH=bk // (r * 16), R=r,
-                  LOG_R=int(math.log2(r)) if rot else 0,
+                  **ops.tile_meta(bm, max(bk, rot), rot, mode == "rtn_2d"),
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel
     index = {a: i for i, a in enumerate(fn.arg_names)}
@@ -106,9 +103,7 @@ def main() -> None:
             if a.tiles:
                 tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles]
             else:
-                cols = dim == "cols"
-                tiles = [ops._CONFIG["cols" if rot <= 16 else "cols_wide"] if cols
-                         else ops._CONFIG["rows_wide" if rot >= 64 else "rows"]]
+                tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols")]]
             for tile in tiles:
                 r = report(name, tile, dim == "cols")
                 if rows is None:

@@ -66,15 +66,17 @@ def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
     _CONFIG[layout] = (bm, bk, num_warps)
 
 
+def layout_of(rot: int, cols: bool) -> str:
+    """The ``_CONFIG`` layout of an operand rotated in chunks of ``rot`` (0: none), read along its
+    memory rows or across them (``cols``)."""
+    if cols:
+        return "cols" if rot <= GROUP else "cols_wide"
+    return "rows_wide" if rot >= 64 else "rows"
+
+
 def _config(rot: int = 0, cols: bool = False) -> tuple[int, int, int]:
     """(BM, BK, num_warps) for an operand rotated in chunks of ``rot`` (0: none)."""
-    if _INTERPRET:
-        layout = "interpret"
-    elif cols:
-        layout = "cols" if rot <= GROUP else "cols_wide"
-    else:
-        layout = "rows_wide" if rot >= 64 else "rows"
-    bm, bk, nw = _CONFIG[layout]
+    bm, bk, nw = _CONFIG["interpret" if _INTERPRET else layout_of(rot, cols)]
     return bm, max(bk, rot), nw
 
 
@@ -129,13 +131,17 @@ def _rotation(signs: Optional[Tensor]) -> tuple[int, float]:
     return h, _f32(1.0 / math.sqrt(h))
 
 
-def _tiling(rot: int, cols: bool, tile2d: bool = False) -> tuple[dict, int, int]:
-    """Tile meta-parameters ``[BM, CH, R, 16]`` (see ``quant_kernel``), BK and num_warps."""
-    bm, bk, nw = _config(rot, cols)
+def tile_meta(bm: int, bk: int, rot: int, tile2d: bool = False) -> dict:
+    """``quant_kernel``'s tile meta-parameters ``[BM, CH, R, 16]`` for a ``BM × BK`` tile (BK a
+    multiple of the rotation size ``rot``; 16×16 scale tiles take 16 rows)."""
     r = rot // GROUP if rot else bk // GROUP
-    meta = dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r,
-                LOG_R=int(math.log2(r)) if rot else 0)
-    return meta, bk, nw
+    return dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r, LOG_R=int(math.log2(r)) if rot else 0)
+
+
+def _tiling(rot: int, cols: bool, tile2d: bool = False) -> tuple[dict, int, int]:
+    """Tile meta-parameters (:func:`tile_meta`), BK and num_warps of an operand."""
+    bm, bk, nw = _config(rot, cols)
+    return tile_meta(bm, bk, rot, tile2d), bk, nw
 
 
 def _is_cols(src: int, stride_k: int, pt: bool) -> bool:
@@ -194,11 +200,11 @@ def _rows_copy(x, x_scales, src, transpose, signs):
     when it is rotated and read across memory rows on the GPU (:data:`COPY_ROTATED_COLS`)."""
     if not COPY_ROTATED_COLS or signs is None:
         return x, x_scales, src, transpose
-    if src == SRC_DENSE:
-        a = x.t() if transpose else x
-        return (a.contiguous(), None, src, False) if a.dim() == 2 and a.stride(-1) != 1 else (x, None, src, transpose)
-    if not transpose:
+    a = x.t() if transpose else x
+    if not _is_cols(src, a.stride(-1), transpose):
         return x, x_scales, src, transpose
+    if src == SRC_DENSE:
+        return a.contiguous(), None, src, False
     # The exact BF16 q · s_block of the packed tensor, transposed; in_scale still applies.
     return unpack(x, x_scales, src == SRC_PACKED_2D).t().contiguous(), None, SRC_DENSE, False
 
