@@ -107,14 +107,23 @@ def _quantize(
     return _Factor.of(q), q
 
 
-def _product(a: _Factor, b: _Factor, dtype: torch.dtype) -> torch.Tensor:
-    """``(a.values · b.valuesᵀ) · (a.scale · b.scale)`` in ``dtype``."""
+def _product(a: _Factor, b: _Factor, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``(a.values · b.valuesᵀ) · (a.scale · b.scale)``: the product in ``dtype``, times the FP32
+    tensor scales in FP32 and rounded to ``dtype`` (NVFP4 hardware's epilogue), returned in
+    ``out_dtype`` (default ``dtype``). On the kernel backend the epilogue and the cast are one
+    pass (``nvfp4::scale_product``)."""
+    out_dtype = out_dtype or dtype
     out = F.linear(a.values.to(dtype), b.values.to(dtype))
     if a.scale is None and b.scale is None:
-        return out
+        return out.to(out_dtype)
+    if backend.use_triton(out):
+        from .kernels import ops
+
+        fn = ops.scale_product if torch.compiler.is_compiling() else ops.scale_product_impl
+        return fn(out, a.scale, b.scale, out_dtype)
     one = torch.ones((), device=out.device)
     scale = (a.scale if a.scale is not None else one) * (b.scale if b.scale is not None else one)
-    return out * scale
+    return (out.float() * scale).to(dtype).to(out_dtype)
 
 
 def quantized_gemm(
@@ -125,8 +134,10 @@ def quantized_gemm(
     layer: int,
     dtype: torch.dtype,
     delayed: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, NVFP4Tensor | None, NVFP4Tensor | None]:
-    """``A · Bᵀ`` under one GEMM's quantization. Returns the product and the quantized operands.
+    """``A · Bᵀ`` under one GEMM's quantization. Returns the product (computed in ``dtype``,
+    returned in ``out_dtype``, default ``dtype``) and the quantized operands.
 
     Draw order from the (layer, role) generator: rotation signs, then A's uniforms, then B's.
     """
@@ -135,7 +146,7 @@ def quantized_gemm(
     pack = role == "forward"  # the forward's quantized operands are what the layer may save
     fa, qa = _quantize(a, gemm.a, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "a"], pack)
     fb, qb = _quantize(b, gemm.b, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "b"], pack)
-    return _product(fa, fb, dtype), qa, qb
+    return _product(fa, fb, dtype, out_dtype), qa, qb
 
 
 def _saved_factor(p: PackedNVFP4) -> _Factor:
@@ -200,15 +211,14 @@ class QuantizedLinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dx, _, _ = quantized_gemm(
                     _Factor(e), w_src.T, scheme.dgrad, "dgrad", ctx.layer, ctx.dtype,
-                    ctx.delayed_amax,
+                    ctx.delayed_amax, ctx.x_dtype,
                 )
-                dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
+                dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 dw, _, _ = quantized_gemm(
                     _Factor(e.t()), x_src.T, scheme.wgrad, "wgrad", ctx.layer, ctx.dtype,
-                    ctx.delayed_amax,
+                    ctx.delayed_amax, weight.dtype,
                 )
-                dw = dw.to(weight.dtype)
         return dx, dw, None, None, None
 
 

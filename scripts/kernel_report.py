@@ -53,7 +53,7 @@ def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
     mode, rot, four_six = KERNELS[name]
     bm, bk, warps = tile
     t_t, t_b = ops._targets(mode, four_six)
-    consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, PT=False, HAS_SCALE=False, ROT=rot,
+    consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, COLS=cols, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=True, PACK=True,

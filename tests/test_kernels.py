@@ -212,23 +212,25 @@ def test_packed_source(tile, transpose):
     assert torch.equal(_bits(v), _bits(q.scaled_values()))
 
 
-@pytest.mark.parametrize("copy", [False, True])
-@pytest.mark.parametrize("source", ["dense", "packed"])
-def test_rotated_columns_both_paths(copy, source, monkeypatch):
-    """Rotated operands read across memory rows (Eᵀ, X̂ᵀ in wgrad) give the reference's result
-    both through strides and through the contiguous copy of ``ops.COPY_ROTATED_COLS``."""
-    monkeypatch.setattr(kops, "COPY_ROTATED_COLS", copy)
+@pytest.mark.parametrize("source", ["dense", "strided", "packed", "packed_2d"])
+def test_rotated_columns(source):
+    """Rotated operands read across memory rows (Eᵀ, X̂ᵀ in wgrad; Ŵᵀ in dgrad) are loaded in
+    memory order and transposed on chip, with no transposed copy: the reference's result for
+    dense, non-contiguous and packed (1×16 and 16×16) sources, with a ragged token count."""
     x = _data((160, 144), seed=31)
     signs = random_signs(16, torch.Generator().manual_seed(32), "cpu")
     u = torch.rand(144, 160, generator=torch.Generator().manual_seed(33))
-    if source == "dense":
-        a = x.t()
-        out = K.rht_sr(x.to(DEV), signs.to(DEV), True, u.to(DEV), None, None, True)
+    if source in ("dense", "strided"):
+        wide = _data((160, 288), seed=34).to(DEV)
+        src = x.to(DEV) if source == "dense" else wide[:, ::2]  # a view with both strides ≠ 1
+        a = src.cpu().t()
+        out = K.rht_sr(src, signs.to(DEV), True, u.to(DEV), None, None, True)
     else:
-        q = quantize_rtn(x, four_over_six=True)
+        q = quantize_rtn_2d(x) if source == "packed_2d" else quantize_rtn(x, four_over_six=True)
         p = q.pack()
         a = (q.scaled_values() * q.tensor_scale).t()
-        out = K.quantize_operand(p.data.to(DEV), p.scales.view(torch.uint8).to(DEV), kops.SRC_PACKED, True,
+        kind = kops.SRC_PACKED_2D if source == "packed_2d" else kops.SRC_PACKED
+        out = K.quantize_operand(p.data.to(DEV), p.scales.view(torch.uint8).to(DEV), kind, True,
                                  p.tensor_scale.to(DEV), signs.to(DEV), None, u.to(DEV), None, "sr",
                                  False, True, True)
     _check(out, quantize_sr(rotate(a, signs), u))
@@ -263,6 +265,24 @@ def test_delayed_amax_and_scaled_input():
     out = K.quantize_operand(x.to(DEV), None, kops.SRC_DENSE, True, scale.to(DEV), None, None, None,
                              None, "rtn", False, True, True)
     _check(out, quantize_rtn((x * scale).t()))
+
+
+@pytest.mark.parametrize("has_a,has_b", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.float32)])
+def test_scale_product(has_a, has_b, dtypes):
+    """The GEMM epilogue kernel equals the reference's ``(y.float() · s_a s_b).to(dtype)``, then
+    the cast to the output dtype, for a ragged element count."""
+    dtype, out_dtype = dtypes
+    g = torch.Generator().manual_seed(50)
+    y = (torch.randn(37, 129, generator=g) * 1e3).to(dtype)
+    sa = torch.tensor(1.2345678e-3) if has_a else None
+    sb = torch.tensor(7.654321e-2) if has_b else None
+    scale = (sa if has_a else torch.ones(())) * (sb if has_b else torch.ones(()))
+    ref = (y.float() * scale).to(dtype).to(out_dtype)
+    out = K.scale_product(y.to(DEV), None if sa is None else sa.to(DEV),
+                          None if sb is None else sb.to(DEV), out_dtype).cpu()
+    assert out.dtype == out_dtype and torch.equal(_bits(out), _bits(ref))
 
 
 def test_zero_tensor():

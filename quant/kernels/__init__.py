@@ -6,7 +6,8 @@ interpreter's fp8/bf16 conversion bugs patched (:mod:`quant.kernels.interpreter`
 
 Public API (all ops take a 2-D ``x``; ``transpose=True`` quantizes ``xᵀ``, i.e. along columns):
 ``rtn``, ``rtn_2d``, ``sr``, ``rht_ms_eden``, ``rht_sr``, ``rht_rtn``, the generic
-``quantize_operand``, ``amax``, ``unpack`` and ``philox_uniforms``; :mod:`.dispatch` connects them
+``quantize_operand``, ``amax``, ``unpack``, ``philox_uniforms`` and the GEMM epilogue
+``scale_product``; :mod:`.dispatch` connects them
 to :class:`quant.linear.QuantizedLinearFunction`.
 """
 
@@ -19,6 +20,7 @@ from .ops import (  # noqa: F401
     rht_sr,
     rtn,
     rtn_2d,
+    scale_product,
     set_block_config,
     sr,
     unpack,

@@ -48,12 +48,13 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # register/shared-memory reports and the H200 sweep of scripts/bench_kernels.py --sweep):
 # "rows": A's rows are contiguous (groups along memory); "rows_wide": the same for rotations of
 # 64 or more, whose butterfly stages across groups stay inside one warp only with one-warp
-# tiles; "cols": A = Xᵀ read through strides, BK = max(16, rotation); "cols_wide": the same for
-# rotations over 16, which need BK = 128 (on the GPU, rotated columns go through a contiguous
-# copy instead: COPY_ROTATED_COLS). BK must be a multiple of the rotation size. The interpreter
-# runs ~8 ms per program instance, so it gets large tiles. ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS``
-# (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's tile at import.
-_CONFIG = {"rows": (32, 128, 8), "rows_wide": (4, 128, 1), "cols": (128, 16, 4),
+# tiles; "cols": A = Xᵀ (or a transposed packed tensor), loaded in memory order ``[BK, BM]`` and
+# transposed on chip, BM ≥ 16 (a packed tile holds whole 16-groups of its rows); "cols_wide":
+# the same for rotations over 16. BK must be a multiple of the rotation size (it is raised to
+# it). The interpreter runs ~8 ms per program instance, so it gets large tiles.
+# ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
+# tile at import.
+_CONFIG = {"rows": (32, 128, 8), "rows_wide": (4, 128, 1), "cols": (32, 64, 4),
            "cols_wide": (16, 128, 4), "interpret": (128, 256, 4)}
 
 
@@ -63,6 +64,8 @@ def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
         raise ValueError(f"unknown layout {layout!r}; one of {sorted(_CONFIG)}")
     if bk % GROUP or bm & (bm - 1) or bk & (bk - 1) or num_warps & (num_warps - 1):
         raise ValueError("BM, BK and the warps must be powers of two, BK a multiple of 16")
+    if layout.startswith("cols") and bm < GROUP:
+        raise ValueError(f"column layouts need BM >= {GROUP} (whole 16-groups of a packed row)")
     _CONFIG[layout] = (bm, bk, num_warps)
 
 
@@ -173,11 +176,12 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     if M == 0 or Kd == 0:
         return out
-    meta, bk, nw = _tiling(rot, _is_cols(src, sk, pt))
+    cols = _is_cols(src, sk, pt)
+    meta, bk, nw = _tiling(rot, cols)
     grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, bk))
     _launch(K.amax_kernel, grid, x, x_scales if x_scales is not None else x,
             in_scale if in_scale is not None else out, signs if signs is not None else out, out,
-            M, Kd, sm, sk, pc, SRC=src, PT=pt, HAS_SCALE=in_scale is not None, ROT=rot,
+            M, Kd, sm, sk, pc, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None, ROT=rot,
             INV_SQRT=inv, num_warps=nw, **meta)
     return out
 
@@ -187,31 +191,8 @@ def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool):
     return ((M, Kd) if values else (0,)), ((M, Kd // 2) if pack else (0,)), (sc if pack else (0,))
 
 
-COPY_ROTATED_COLS = not _INTERPRET
-"""Quantize rotated operands that are read across memory rows (``A = Xᵀ``, or a transposed
-packed tensor) from a contiguous BF16/FP32 copy of ``A`` instead of through strides. On the H200
-with triton 3.6 the in-kernel strided path of the rotating kernels is about 10× slower than the
-row path, more than the copy costs (docs/performance.md). Both paths are bit-identical (the
-interpreter, where the copy buys nothing, defaults to the strided path; tests exercise both)."""
-
-
-def _rows_copy(x, x_scales, src, transpose, signs):
-    """``(x, x_scales, src, transpose)`` of the operand to quantize: a contiguous copy of ``A``
-    when it is rotated and read across memory rows on the GPU (:data:`COPY_ROTATED_COLS`)."""
-    if not COPY_ROTATED_COLS or signs is None:
-        return x, x_scales, src, transpose
-    a = x.t() if transpose else x
-    if not _is_cols(src, a.stride(-1), transpose):
-        return x, x_scales, src, transpose
-    if src == SRC_DENSE:
-        return a.contiguous(), None, src, False
-    # The exact BF16 q · s_block of the packed tensor, transposed; in_scale still applies.
-    return unpack(x, x_scales, src == SRC_PACKED_2D).t().contiguous(), None, SRC_DENSE, False
-
-
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    mode, four_over_six, values, pack):
-    x, x_scales, src, transpose = _rows_copy(x, x_scales, src, transpose, signs)
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
     rot, inv = _rotation(signs)
     _check(M, Kd, mode, rot)
@@ -235,7 +216,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         raise ValueError("MS-EDEN needs a rotation (signs)")
     if M and Kd:
         t_t, t_b = _targets(mode, four_over_six)
-        meta, bk, nw = _tiling(rot, _is_cols(src, sk, pt), mode == "rtn_2d")
+        cols = _is_cols(src, sk, pt)
+        meta, bk, nw = _tiling(rot, cols, mode == "rtn_2d")
         grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, bk))
         dummy = st
         _launch(K.quant_kernel, grid,
@@ -243,7 +225,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 in_scale if in_scale is not None else dummy, signs if signs is not None else dummy,
                 amax, uniforms if uniforms is not None else dummy, seed if seed is not None else dummy,
                 val, codes, scales, st, M, Kd, sm, sk, pc,
-                T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, PT=pt, HAS_SCALE=in_scale is not None,
+                T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None,
                 ROT=rot, INV_SQRT=inv,
                 MODE=MODES[mode],
                 FOUR_SIX=four_over_six, TILE2D=mode == "rtn_2d", RAND=0 if uniforms is not None else 1,
@@ -428,3 +410,31 @@ def philox_uniforms(seed: Tensor, n: int, mode: str = "sr") -> Tensor:
 @philox_uniforms.register_fake
 def _(seed, n, mode="sr"):
     return seed.new_empty((n,), dtype=torch.float32)
+
+
+def scale_product_impl(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor],
+                       out_dtype: torch.dtype) -> Tensor:
+    """``(y.float() · (scale_a · scale_b)).to(y.dtype).to(out_dtype)`` in one pass: the tensor
+    scales of an emulated NVFP4 GEMM applied to its product ``y`` (FP32 0-dim scales, None = 1)."""
+    y = y.contiguous()
+    out = torch.empty(y.shape, dtype=out_dtype, device=y.device)
+    n = y.numel()
+    if n:
+        block = 65536 if _INTERPRET else 2048
+        dummy = scale_a if scale_a is not None else scale_b if scale_b is not None else y
+        _launch(K.scale_kernel, (triton.cdiv(n, block),), y,
+                scale_a if scale_a is not None else dummy, scale_b if scale_b is not None else dummy,
+                out, n, HAS_A=scale_a is not None, HAS_B=scale_b is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("nvfp4::scale_product", mutates_args=())
+def scale_product(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor],
+                  out_dtype: torch.dtype) -> Tensor:
+    """The custom-op form of :func:`scale_product_impl` (for ``torch.compile``)."""
+    return scale_product_impl(y, scale_a, scale_b, out_dtype)
+
+
+@scale_product.register_fake
+def _(y, scale_a, scale_b, out_dtype):
+    return y.new_empty(y.shape, dtype=out_dtype)

@@ -207,8 +207,37 @@ def _tile_index(pid_m, pid_k, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexp
 
 
 @triton.jit
-def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, m, k, M, K, stride_m, stride_k, P_C,
-               SRC: tl.constexpr, PT: tl.constexpr, HAS_SCALE: tl.constexpr,
+def _load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
+                    SRC: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """The fp32 tile ``A[m, k]`` (``[BM, BK]``) of an operand read across memory rows
+    (``A = Xᵀ`` or a transposed packed tensor): loaded in memory order as ``[BK, BM]`` (coalesced
+    along m) and transposed on chip, so no transposed copy of ``X`` is ever made."""
+    kk = pid_k * BK + tl.arange(0, BK)[:, None]
+    if SRC == 0:
+        mm = pid_m * BM + tl.arange(0, BM)[None, :]
+        xt = tl.load(x_ptr + kk * stride_k + mm * stride_m, mask=(kk < K) & (mm < M),
+                     other=0.0).to(tl.float32)
+    else:
+        # Packed P (R × C, codes along C): A = Pᵀ, so k runs over P's rows and m over C.
+        bb = pid_m * (BM // 2) + tl.arange(0, BM // 2)[None, :]
+        byte = tl.load(x_ptr + kk * (P_C // 2) + bb, mask=(kk < K) & (bb < M // 2), other=0).to(tl.int32)
+        code = tl.reshape(tl.join(byte & 15, byte >> 4), (BK, BM))
+        mag = _e2m1_mag(code & 7)
+        q = tl.where(code >= 8, mag * -1.0, mag)
+        gg = pid_m * (BM // 16) + tl.arange(0, BM // 16)[None, :]
+        if SRC == 1:
+            sptr = xs_ptr + kk * (P_C // 16) + gg
+        else:
+            sptr = xs_ptr + (kk // 16) * (P_C // 16) + gg
+        s = _e4m3_value(tl.load(sptr, mask=(kk < K) & (gg < M // 16), other=0))
+        s = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BK, BM // 16, 16)), (BK, BM))
+        xt = q * s
+    return tl.trans(xt)
+
+
+@triton.jit
+def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m, stride_k,
+               P_C, SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """The fp32 tile ``A[m, k]`` (``[BM, CH, R, 16]``) as the reference sees it: ``src.dense()``,
@@ -216,28 +245,27 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, m, k, M, K, stride_m, stride
 
     SRC 0: dense, ``A[m, k] = x[m·stride_m + k·stride_k]`` (offsets < 2^31, checked by the
     launcher). SRC 1 / 2: packed NVFP4 1×16 / 16×16 with physical shape ``(R, C)``
-    (``C = P_C``), ``A = P`` or ``A = Pᵀ`` (PT); the value is ``q · s_block`` (exact), as
-    ``NVFP4Tensor.scaled_values``.
+    (``C = P_C``), ``A = P`` (or ``A = Pᵀ`` with COLS); the value is ``q · s_block`` (exact), as
+    ``NVFP4Tensor.scaled_values``. COLS: ``A`` is read across memory rows (``A = Xᵀ`` or
+    ``A = Pᵀ``, :func:`_load_tile_cols`).
     """
-    mask = (m < M) & (k < K)
-    if SRC == 0:
-        x = tl.load(x_ptr + m * stride_m + k * stride_k, mask=mask, other=0.0).to(tl.float32)
+    if COLS:
+        x = tl.reshape(_load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
+                                       SRC, BM, CH * R * 16), (BM, CH, R, 16))
     else:
-        if PT:
-            r = k
-            c = m
+        mask = (m < M) & (k < K)
+        if SRC == 0:
+            x = tl.load(x_ptr + m * stride_m + k * stride_k, mask=mask, other=0.0).to(tl.float32)
         else:
-            r = m
-            c = k
-        byte = tl.load(x_ptr + r * (P_C // 2) + c // 2, mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((c % 2) * 4)) & 15
-        mag = _e2m1_mag(code & 7)
-        q = tl.where(code >= 8, mag * -1.0, mag)
-        if SRC == 1:
-            sptr = xs_ptr + r * (P_C // 16) + c // 16
-        else:
-            sptr = xs_ptr + (r // 16) * (P_C // 16) + c // 16
-        x = q * _e4m3_value(tl.load(sptr, mask=mask, other=0))
+            byte = tl.load(x_ptr + m * (P_C // 2) + k // 2, mask=mask, other=0).to(tl.int32)
+            code = (byte >> ((k % 2) * 4)) & 15
+            mag = _e2m1_mag(code & 7)
+            q = tl.where(code >= 8, mag * -1.0, mag)
+            if SRC == 1:
+                sptr = xs_ptr + m * (P_C // 16) + k // 16
+            else:
+                sptr = xs_ptr + (m // 16) * (P_C // 16) + k // 16
+            x = q * _e4m3_value(tl.load(sptr, mask=mask, other=0))
     if HAS_SCALE:
         x = x * tl.load(scale_ptr)
     if ROT > 0:
@@ -249,13 +277,14 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, m, k, M, K, stride_m, stride
 
 @triton.jit
 def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, stride_k, P_C,
-                SRC: tl.constexpr, PT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                 ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """``amax_ptr[0] = max(amax_ptr[0], max |A_tile|)`` (amax_ptr starts at 0)."""
-    m, k = _tile_index(tl.program_id(0), tl.program_id(1), BM, CH, R)
-    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, m, k, M, K, stride_m, stride_k, P_C,
-                   SRC, PT, HAS_SCALE, ROT, INV_SQRT, BM, CH, R, LOG_R)
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    m, k = _tile_index(pid_m, pid_k, BM, CH, R)
+    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m,
+                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, BM, CH, R, LOG_R)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0))
 
 
@@ -300,7 +329,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                  val_ptr, code_ptr, sc_ptr, st_ptr,
                  M, K, stride_m, stride_k, P_C,
                  T_TENSOR: tl.constexpr, T_BLOCK: tl.constexpr,
-                 SRC: tl.constexpr, PT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                  MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                  RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
@@ -318,8 +347,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
-    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, m, k, M, K, stride_m, stride_k, P_C,
-                   SRC, PT, HAS_SCALE, ROT, INV_SQRT, BM, CH, R, LOG_R)
+    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m,
+                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, BM, CH, R, LOG_R)
     mask = (m < M) & (k < K)
 
     amax = tl.load(amax_ptr)
@@ -387,8 +416,9 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
 def unpack_kernel(x_ptr, xs_ptr, val_ptr, NR, NC, SRC: tl.constexpr, BM: tl.constexpr,
                   R: tl.constexpr):
     """BF16 ``q · s_block`` of a packed ``NR × NC`` tensor (``NVFP4Tensor.scaled_values``)."""
-    m, k = _tile_index(tl.program_id(0), tl.program_id(1), BM, 1, R)
-    x = _load_tile(x_ptr, xs_ptr, x_ptr, x_ptr, m, k, NR, NC, 0, 0, NC,
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    m, k = _tile_index(pid_m, pid_k, BM, 1, R)
+    x = _load_tile(x_ptr, xs_ptr, x_ptr, x_ptr, pid_m, pid_k, m, k, NR, NC, 0, 0, NC,
                    SRC, False, False, 0, 1.0, BM, 1, R, 0)
     tl.store(val_ptr + m * NC + k, x.to(tl.bfloat16), mask=(m < NR) & (k < NC))
 
@@ -412,3 +442,21 @@ def rand_kernel(seed_ptr, out_ptr, N, FOUR: tl.constexpr, BLOCK: tl.constexpr):
     else:
         u = tl.rand(tl.load(seed_ptr), offs)
     tl.store(out_ptr + offs, u, mask=offs < N)
+
+
+@triton.jit
+def scale_kernel(y_ptr, sa_ptr, sb_ptr, out_ptr, N, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The GEMM epilogue of ``quant.linear._product``: ``out = dtype(y · (s_a · s_b))`` computed
+    in FP32 (a missing tensor scale counts as 1), rounded to ``y``'s dtype, then stored in
+    ``out``'s dtype (the layer's input or parameter dtype), in one pass."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0
+    if HAS_A:
+        s = tl.load(sa_ptr)
+    if HAS_B:
+        s = s * tl.load(sb_ptr)
+    r = (y * s).to(y_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, r, mask=mask)
