@@ -191,8 +191,34 @@ def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool):
     return ((M, Kd) if values else (0,)), ((M, Kd // 2) if pack else (0,)), (sc if pack else (0,))
 
 
+TRANSPOSE_COLS = not _INTERPRET
+"""On the GPU, quantize an operand read across memory rows (``A = Xᵀ``, or a transposed packed
+tensor) from a contiguous ``A`` made by :func:`transpose_kernel` (one coalesced read and write)
+rather than in the quantization kernels' column path. Both give the same bits (tests run both);
+with triton 3.6 on the H200 the column path's tile transpose leaves the group reductions and the
+Hadamard butterfly spread across threads, which made MS-EDEN 2.4× slower than transposing first
+(docs/performance.md). The interpreter uses the column path."""
+_TRANSPOSE_TILE = (64, 64, 4)
+
+
+def _rows_operand(x, x_scales, src, transpose):
+    """``(x, x_scales, src, transpose)`` to quantize: a column operand becomes its contiguous
+    transpose under :data:`TRANSPOSE_COLS` (packed sources as their exact BF16 values)."""
+    M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
+    if not TRANSPOSE_COLS or not _is_cols(src, sk, pt):
+        return x, x_scales, src, transpose
+    out = torch.empty((M, Kd), dtype=x.dtype if src == SRC_DENSE else torch.bfloat16, device=x.device)
+    if M and Kd:
+        bm, bk, nw = _TRANSPOSE_TILE
+        _launch(K.transpose_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd, bk)), x,
+                x_scales if x_scales is not None else x, out, M, Kd, sm, sk, pc, SRC=src, BM=bm,
+                BK=bk, num_warps=nw)
+    return out, None, SRC_DENSE, False
+
+
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    mode, four_over_six, values, pack):
+    x, x_scales, src, transpose = _rows_operand(x, x_scales, src, transpose)
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
     rot, inv = _rotation(signs)
     _check(M, Kd, mode, rot)

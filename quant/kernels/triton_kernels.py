@@ -460,3 +460,16 @@ def scale_kernel(y_ptr, sa_ptr, sb_ptr, out_ptr, N, HAS_A: tl.constexpr, HAS_B: 
         s = s * tl.load(sb_ptr)
     r = (y * s).to(y_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, r, mask=mask)
+
+
+@triton.jit
+def transpose_kernel(x_ptr, xs_ptr, out_ptr, M, K, stride_m, stride_k, P_C, SRC: tl.constexpr,
+                     BM: tl.constexpr, BK: tl.constexpr):
+    """``out = A`` as a contiguous ``M × K`` tensor, for an ``A`` read across memory rows
+    (``A = Xᵀ``, or a transposed packed tensor, whose exact ``q · s_block`` values are written):
+    one coalesced read, a transpose through shared memory, one coalesced write."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    x = _load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C, SRC, BM, BK)
+    m = pid_m * BM + tl.arange(0, BM)[:, None]
+    k = pid_k * BK + tl.arange(0, BK)[None, :]
+    tl.store(out_ptr + m * K + k, x.to(out_ptr.dtype.element_ty), mask=(m < M) & (k < K))
