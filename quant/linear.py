@@ -18,6 +18,7 @@ from :mod:`quant.randomness`, keyed by (seed, step, micro-step, layer, role, ran
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 from . import backend, randomness
 from .format import GROUP, NVFP4Tensor, PackedNVFP4
 from .hadamard import random_signs, rotate
+from .randomness import PhiloxStream
 from .quantizers import amax_of, quantize_ms_eden, quantize_rtn, quantize_rtn_2d, quantize_sr
 from .schemes import Gemm, Operand, Scheme, get_scheme
 
@@ -66,19 +68,31 @@ def _amax(x: torch.Tensor, delayed: torch.Tensor | None, slot: int) -> torch.Ten
     return torch.where(previous > 0, previous, current)
 
 
+def uniforms(rng: torch.Generator | PhiloxStream, shape: tuple[int, ...], mode: str,
+             device: torch.device) -> torch.Tensor:
+    """The FP32 uniforms of one stochastic operand: SR's (``mode="sr"``, one per element) or
+    MS-EDEN's (``"ms_eden"``, one per 16-group), drawn from a generator, or the very numbers the
+    kernels draw from a :class:`~quant.randomness.PhiloxStream`."""
+    if isinstance(rng, PhiloxStream):
+        from .kernels import ops
+
+        return ops.philox_uniforms(rng.key, math.prod(shape), mode, rng.stream).reshape(shape)
+    return torch.rand(shape, generator=rng, device=device)
+
+
 def _quantize(
     src: _Factor,
     op: Operand,
     signs: torch.Tensor | None,
-    gen: torch.Generator | None,
+    rng: torch.Generator | PhiloxStream | None,
     rotation: int | None,
     delayed: torch.Tensor | None,
     slot: int,
     pack: bool = False,
 ) -> tuple[_Factor, NVFP4Tensor | None]:
-    """Rotate (if ``signs``) and quantize one operand along its last dim.
+    """Rotate (if ``signs``) and quantize one operand along its last dim, drawing from ``rng``.
 
-    On the Triton backend (:mod:`quant.backend`) the fused kernels do it (same draws order; the
+    On the Triton backend (:mod:`quant.backend`) the fused kernels do it (same draws; the
     packed form is produced in the same pass when ``pack``)."""
     if op.quantizer == "none" and signs is None:
         return src, None
@@ -87,7 +101,7 @@ def _quantize(
     if type(src) is not _Factor or backend.use_triton(src.values, family):
         from .kernels.dispatch import quantize_factor
 
-        return quantize_factor(src, op, signs, gen, rotation, delayed, slot, pack)
+        return quantize_factor(src, op, signs, rng, rotation, delayed, slot, pack)
     x = src.dense()
     if signs is not None:
         x = rotate(x, signs)
@@ -99,10 +113,10 @@ def _quantize(
     elif op.quantizer == "rtn_2d":
         q = quantize_rtn_2d(x, four_over_six=op.four_over_six, amax=amax)
     elif op.quantizer == "sr":
-        u = torch.rand(x.shape, generator=gen, device=x.device)
+        u = uniforms(rng, tuple(x.shape), "sr", x.device)
         q = quantize_sr(x, u, amax=amax, four_over_six=op.four_over_six)
     else:  # ms_eden
-        u = torch.rand((*x.shape[:-1], x.shape[-1] // GROUP), generator=gen, device=x.device)
+        u = uniforms(rng, (*x.shape[:-1], x.shape[-1] // GROUP), "ms_eden", x.device)
         q = quantize_ms_eden(x, u, chunk=rotation, amax=amax)
     return _Factor.of(q), q
 
@@ -139,13 +153,26 @@ def quantized_gemm(
     """``A · Bᵀ`` under one GEMM's quantization. Returns the product (computed in ``dtype``,
     returned in ``out_dtype``, default ``dtype``) and the quantized operands.
 
-    Draw order from the (layer, role) generator: rotation signs, then A's uniforms, then B's.
+    Draws (:mod:`quant.randomness`): on the kernel path with Philox draws (the default), the
+    signs and each operand's uniforms come from their own stream under the step key; otherwise
+    from the (layer, role) generator in the order rotation signs, A's uniforms, B's.
     """
-    gen = randomness.generator(layer, role, a.values.device) if gemm.stochastic else None
-    signs = random_signs(gemm.rotation, gen, a.values.device) if gemm.rotation else None
+    device = a.values.device
+    rng_a = rng_b = signs = None
+    if gemm.stochastic and backend.get_draws() == "philox" and backend.use_triton(a.values):
+        from .kernels import ops
+
+        key = randomness.step_key(device)
+        rng_a = PhiloxStream(key, randomness.stream(layer, role, "a"))
+        rng_b = PhiloxStream(key, randomness.stream(layer, role, "b"))
+        if gemm.rotation:
+            signs = ops.philox_signs(key, gemm.rotation, randomness.stream(layer, role, "signs"))
+    elif gemm.stochastic:
+        rng_a = rng_b = randomness.generator(layer, role, device)
+        signs = random_signs(gemm.rotation, rng_a, device) if gemm.rotation else None
     pack = role == "forward"  # the forward's quantized operands are what the layer may save
-    fa, qa = _quantize(a, gemm.a, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "a"], pack)
-    fb, qb = _quantize(b, gemm.b, signs, gen, gemm.rotation, delayed, _AMAX_SLOT[role, "b"], pack)
+    fa, qa = _quantize(a, gemm.a, signs, rng_a, gemm.rotation, delayed, _AMAX_SLOT[role, "a"], pack)
+    fb, qb = _quantize(b, gemm.b, signs, rng_b, gemm.rotation, delayed, _AMAX_SLOT[role, "b"], pack)
     return _product(fa, fb, dtype, out_dtype), qa, qb
 
 

@@ -1,13 +1,22 @@
 """Counter-based randomness for the stochastic quantizers (SPEC §2, "Randomness").
 
-Every random draw (Hadamard signs, SR uniforms, MS-EDEN scale uniforms) comes from a fresh
-``torch.Generator`` seeded with a hash of
+Every random draw (Hadamard signs, SR uniforms, MS-EDEN scale uniforms) is a pure function of
 
     (run seed, optimizer step, micro-step, layer index, GEMM role, data-parallel rank),
 
-never from global RNG state, so a resumed run replays exactly the draws of an uninterrupted one.
+never of global RNG state, so a resumed run replays exactly the draws of an uninterrupted one.
 The trainer sets ``(seed, rank)`` once and ``(step, micro_step)`` before every micro-batch with
 :func:`set_quant_step`; layers carry their own index and the Function knows the GEMM role.
+
+Two generators implement it:
+
+* the reference path draws from a fresh ``torch.Generator`` per (layer, role), seeded with a
+  hash of all six (:func:`generator`);
+* the kernels draw Philox numbers keyed by the *step key* ``hash(seed, step, micro-step, rank)``,
+  which lives in a one-element device tensor per device (:func:`step_key`; refilled, without a
+  host sync, whenever the counters change), with the stream number :func:`stream` of (layer,
+  role, operand) as the second counter word. Nothing is created per GEMM and the draws are read
+  on the device, so a captured CUDA graph of a step replays with the next step's draws.
 """
 
 from __future__ import annotations
@@ -55,17 +64,58 @@ def rng_state() -> QuantRNGState:
     return _STATE
 
 
+_KEYS: dict[torch.device, torch.Tensor] = {}
+# Stream numbers: 4 per (layer, role): the GEMM's A operand, its B operand, its rotation signs.
+OPERAND_STREAMS = {"a": 0, "b": 1, "signs": 2}
+
+
+def _step_key_value() -> int:
+    return derive_seed(_STATE.seed, _STATE.step, _STATE.micro_step, _STATE.rank)
+
+
+def _refresh_keys() -> None:
+    value = _step_key_value()
+    for key in _KEYS.values():
+        key.fill_(value)
+
+
+def step_key(device: torch.device | str) -> torch.Tensor:
+    """The kernels' Philox key for the current (seed, step, micro-step, rank) on ``device``: an
+    int64 tensor of one element, the same tensor for the whole run (refilled in place)."""
+    device = torch.device(device)
+    key = _KEYS.get(device)
+    if key is None:
+        key = _KEYS[device] = torch.full((1,), _step_key_value(), dtype=torch.int64, device=device)
+    return key
+
+
+@dataclass(frozen=True)
+class PhiloxStream:
+    """The kernels' draws of one operand (or of one GEMM's signs): Philox key and stream."""
+
+    key: torch.Tensor
+    stream: int
+
+
+def stream(layer: int, role: str, operand: str) -> int:
+    """The kernels' Philox stream of one operand's draws (``"a"``, ``"b"``) or of the rotation
+    signs (``"signs"``) of one GEMM of one layer."""
+    return (layer * len(ROLES) + ROLES[role]) * 4 + OPERAND_STREAMS[operand]
+
+
 def set_quant_rng(seed: int | None = None, rank: int | None = None) -> None:
     """Set the run seed and this process's data-parallel rank."""
     if seed is not None:
         _STATE.seed = int(seed)
     if rank is not None:
         _STATE.rank = int(rank)
+    _refresh_keys()
 
 
 def set_quant_step(step: int, micro_step: int = 0) -> None:
     """Set the optimizer step and micro-step whose backward passes draw next."""
     _STATE.step, _STATE.micro_step = int(step), int(micro_step)
+    _refresh_keys()
 
 
 @contextmanager
@@ -77,6 +127,7 @@ def quant_step(step: int, micro_step: int = 0) -> Iterator[None]:
         yield
     finally:
         _STATE.step, _STATE.micro_step = old
+        _refresh_keys()
 
 
 def state_dict() -> dict:
@@ -86,6 +137,7 @@ def state_dict() -> dict:
 def load_state_dict(state: dict) -> None:
     for k, v in state.items():
         setattr(_STATE, k, int(v))
+    _refresh_keys()
 
 
 def generator(layer: int, role: str, device: torch.device | str) -> torch.Generator:

@@ -3,6 +3,7 @@
     python scripts/bench_step.py --model 1.9b --schemes bf16 quartet2 --ac none full
     python scripts/bench_step.py --model 100m --batch 32 --seq 512 --compile
     python scripts/bench_step.py --model 100m --schemes quartet2 --profile 20   # where the time goes
+    python scripts/bench_step.py --model 100m --compile --cuda-graph           # no host overhead
     torchrun --nproc_per_node 8 scripts/bench_step.py --model 1.9b --fsdp --batch 16
 
 One device per process. With ``--fsdp`` the model is sharded with FSDP2 over all ranks (also on
@@ -11,7 +12,10 @@ one-GPU run gives the scaling efficiency.
 
 The model is built on meta, converted with ``quant.quantize_model``,
 parallelized (activation checkpointing, compile) and materialized exactly as train.py does, and
-trained on random tokens under BF16 autocast. Prints a markdown table: median step time,
+trained on random tokens under BF16 autocast. ``--cuda-graph`` captures the whole step (forward,
+backward, clipping, AdamW) in one CUDA graph after the warm-up and times its replays, so the host
+launch overhead drops out for every scheme alike (the quantizers' draws are read on the device
+from ``quant.randomness.step_key``, so each replay still draws afresh). Prints a markdown table: median step time,
 tokens/s, MFU against the measured or given BF16 peak, peak memory, and the ratio to the first
 scheme with the same settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
 """
@@ -48,22 +52,38 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
     parallelize(model, mesh, activation_checkpointing=ac, compile=args.compile)
     materialize(model, device, seed=0)
     opt = build_adamw(model, 1e-4, (0.9, 0.95), 0.1)
+    if args.cuda_graph:
+        for group in opt.param_groups:
+            group["capturable"] = True  # AdamW keeps its step counts on the device
     g = torch.Generator(device=device).manual_seed(0)
-    times = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for i in range(args.warmup + args.steps):
-        x = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq + 1), device=device, generator=g)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        quant.set_quant_step(i)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(x[:, :-1], x[:, 1:])
+    tokens = torch.empty((args.batch, args.seq + 1), dtype=torch.long, device=device)
+
+    def step() -> torch.Tensor:
+        # autocast's cast cache must be off inside a CUDA graph capture
+        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not args.cuda_graph):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    graph = None
+    for i in range(args.warmup + args.steps):
+        tokens.copy_(torch.randint(0, cfg["vocab_size"], tokens.shape, device=device, generator=g))
+        quant.set_quant_step(i)
+        if args.cuda_graph and i == args.warmup:
+            graph, loss = capture(step, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        if graph is not None:
+            graph.replay()
+        else:
+            loss = step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= args.warmup:
@@ -78,6 +98,22 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
         torch.cuda.empty_cache()
     return {"ms": med * 1e3, "tps": tokens / med, "flops": flops_per_token * tokens / med, "mem": peak_mem,
             "loss": loss.item()}
+
+
+def capture(step, device: torch.device):
+    """Capture ``step()`` in a CUDA graph (after warm-up steps on a side stream, as the CUDA-graph
+    notes of torch require). Returns the graph and the loss tensor it writes."""
+    if device.type != "cuda":
+        raise SystemExit("--cuda-graph needs a CUDA device")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    return graph, loss
 
 
 def profile_step(model, opt, cfg, args, device, g) -> None:
@@ -120,6 +156,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time replays of the whole step captured in one CUDA graph (no host overhead)")
     p.add_argument("--peak-flops", type=float, default=None, help="BF16 peak FLOP/s for MFU")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 over all ranks (torchrun)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -136,7 +174,7 @@ def main() -> None:
     peak = bf16_peak_flops(device, a.peak_flops)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name} ×{world}, torch {torch.__version__}, model {a.model}, {a.batch}×{a.seq} tokens/step/GPU, "
-          f"compile={a.compile}, {a.steps} timed steps after {a.warmup} warm-up\n")
+          f"compile={a.compile}, cuda_graph={a.cuda_graph}, {a.steps} timed steps after {a.warmup} warm-up\n")
     rows = ["| scheme | activation ckpt | step (ms) | tokens/s/GPU | MFU vs BF16 peak | peak mem (GiB) | × first scheme |",
             "|---|---|---|---|---|---|---|"]
     for ac in a.ac:

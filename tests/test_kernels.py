@@ -142,14 +142,32 @@ def test_sr_explicit_uniforms(shape, transpose, four_over_six):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("transpose", [False, True])
-def test_sr_seeded_draws(shape, transpose):
+@pytest.mark.parametrize("stream", [0, 77])
+def test_sr_seeded_draws(shape, transpose, stream):
+    """The seeded SR kernel draws exactly ``philox_uniforms`` of its stream. The mean of n ≥ 7680
+    uniforms has sd ≤ 0.0033, so |mean − 0.5| < 0.02 is a 6-sd check."""
     x = _data(shape, seed=4)
     a = _logical(x, transpose)
     seed = torch.tensor([123456789012345], dtype=torch.int64, device=DEV)
-    u = K.philox_uniforms(seed, a.numel()).cpu().reshape(a.shape)
+    u = K.philox_uniforms(seed, a.numel(), "sr", stream).cpu().reshape(a.shape)
     assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.02
-    out = K.sr(x.to(DEV), transpose, None, seed)
+    out = K.sr(x.to(DEV), transpose, None, seed, stream=stream)
     _check(out, quantize_sr(a, u))
+
+
+def test_philox_streams_and_signs():
+    """Streams of one key are different sequences; signs are ±1, a pure function of (key,
+    stream), prefixes of one another, and differ across streams. For h = 4096 fair signs the sum
+    has sd 64, so |sum| < 384 is a 6-sd check."""
+    seed = torch.tensor([42], dtype=torch.int64, device=DEV)
+    u0 = K.philox_uniforms(seed, 1024, "sr", 0).cpu()
+    u1 = K.philox_uniforms(seed, 1024, "sr", 1).cpu()
+    assert not torch.equal(u0, u1)
+    s = K.philox_signs(seed, 4096, 9).cpu()
+    assert set(s.unique().tolist()) == {-1.0, 1.0} and abs(s.sum().item()) < 384
+    assert torch.equal(s, K.philox_signs(seed, 4096, 9).cpu())
+    assert not torch.equal(s, K.philox_signs(seed, 4096, 10).cpu())
+    assert torch.equal(K.philox_signs(seed, 16, 9).cpu(), s[:16])
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -162,8 +180,8 @@ def test_rht_ms_eden(shape, transpose, seeded):
     signs = random_signs(h, torch.Generator().manual_seed(6), "cpu")
     if seeded:
         seed = torch.tensor([987654321], dtype=torch.int64, device=DEV)
-        u = K.philox_uniforms(seed, a.numel() // 16, "ms_eden").cpu().reshape(a.shape[0], -1)
-        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, None, seed, None, True)
+        u = K.philox_uniforms(seed, a.numel() // 16, "ms_eden", 5).cpu().reshape(a.shape[0], -1)
+        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, None, seed, None, True, stream=5)
     else:
         u = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(7))
         out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True)
@@ -201,12 +219,12 @@ def test_packed_source(tile, transpose):
     u = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(13))
     kind = kops.SRC_PACKED_2D if tile == "16x16" else kops.SRC_PACKED
     out = K.quantize_operand(p.data.to(DEV), p.scales.view(torch.uint8).to(DEV), kind, transpose,
-                             p.tensor_scale.to(DEV), signs.to(DEV), None, u.to(DEV), None,
+                             p.tensor_scale.to(DEV), signs.to(DEV), None, u.to(DEV), None, 0,
                              "ms_eden", False, True, True)
     _check(out, quantize_ms_eden(rotate(a, signs), u, chunk=h))
     us = torch.rand(a.shape, generator=torch.Generator().manual_seed(14))
     out = K.quantize_operand(p.data.to(DEV), p.scales.view(torch.uint8).to(DEV), kind, transpose,
-                             p.tensor_scale.to(DEV), None, None, us.to(DEV), None, "sr", False, True, True)
+                             p.tensor_scale.to(DEV), None, None, us.to(DEV), None, 0, "sr", False, True, True)
     _check(out, quantize_sr(a, us))
     v = K.unpack(p.data.to(DEV), p.scales.to(DEV), tile == "16x16").cpu()
     assert torch.equal(_bits(v), _bits(q.scaled_values()))
@@ -234,7 +252,7 @@ def test_rotated_columns(source, via_transpose, monkeypatch):
         a = (q.scaled_values() * q.tensor_scale).t()
         kind = kops.SRC_PACKED_2D if source == "packed_2d" else kops.SRC_PACKED
         out = K.quantize_operand(p.data.to(DEV), p.scales.view(torch.uint8).to(DEV), kind, True,
-                                 p.tensor_scale.to(DEV), signs.to(DEV), None, u.to(DEV), None, "sr",
+                                 p.tensor_scale.to(DEV), signs.to(DEV), None, u.to(DEV), None, 0, "sr",
                                  False, True, True)
     _check(out, quantize_sr(rotate(a, signs), u))
 
@@ -266,7 +284,7 @@ def test_delayed_amax_and_scaled_input():
     assert out[4].cpu() == x.abs().amax()  # the current amax, for the next call
     scale = torch.tensor(0.37)
     out = K.quantize_operand(x.to(DEV), None, kops.SRC_DENSE, True, scale.to(DEV), None, None, None,
-                             None, "rtn", False, True, True)
+                             None, 0, "rtn", False, True, True)
     _check(out, quantize_rtn((x * scale).t()))
 
 
@@ -364,6 +382,25 @@ def test_function_matches_reference(name, kw):
     for r, o, what in zip(ref, out, ("y", "dx", "dw")):
         assert r.dtype == o.dtype, what
         assert torch.equal(_bits(r), _bits(o)), f"{name}: {what} differs"
+
+
+def test_philox_stream_on_both_paths():
+    """An operand drawn from a ``PhiloxStream`` gets the kernel's draws on the reference path too
+    (materialised by ``philox_uniforms``): what runs when ``NVFP4_AUTO_KERNELS`` leaves one
+    operand of a GEMM to the reference. MS-EDEN with Philox signs, and SR."""
+    if CUDA:
+        pytest.skip("compares the reference on the same device bit for bit: CPU only")
+    x = _data((64, 256), seed=60)
+    key = torch.tensor([7], dtype=torch.int64)
+    signs = K.philox_signs(key, 128, 3)
+    cases = [(quant.get_scheme("quartet2").dgrad.a, 128, signs), (quant.get_scheme("nvidia").dgrad.a, None, None)]
+    for op, rot, sg in cases:
+        rng = randomness.PhiloxStream(key, 4)
+        with backend.use_backend("reference"):
+            ref, _ = quant.linear._quantize(quant.linear._Factor(x), op, sg, rng, rot, None, 0)
+        with backend.use_backend("triton"):
+            out, _ = quant.linear._quantize(quant.linear._Factor(x), op, sg, rng, rot, None, 0)
+        assert torch.equal(_bits(ref.dense()), _bits(out.dense())), op.quantizer
 
 
 def test_function_philox_draws_deterministic():

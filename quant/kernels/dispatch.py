@@ -1,8 +1,8 @@
 """Glue between :mod:`quant.linear` and the kernels: operand quantization and saved operands.
 
 :func:`quantize_factor` is the Triton twin of ``quant.linear._quantize``: same operand, same
-quantizer, same draw order from the (layer, role) generator (rotation signs are drawn by the
-caller; then A's draws, then B's), same delayed-amax bookkeeping. Its output values are the BF16
+quantizer, same draws (a :class:`~quant.randomness.PhiloxStream` the kernel draws from itself,
+or uniforms drawn from the (layer, role) generator), same delayed-amax bookkeeping. Its output values are the BF16
 ``q · s_block`` (the reference's FP32 values, which are exact in BF16) with the FP32 tensor scale.
 
 :class:`PackedFactor` stands for an operand the forward saved in packed NVFP4 form: the kernels
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import backend
 from ..format import GROUP, PackedNVFP4
+from ..randomness import PhiloxStream
 from . import ops
 
 
@@ -59,7 +59,7 @@ def saved_factor(packed: PackedNVFP4):
     return PackedFactor(packed)
 
 
-def quantize_factor(src, op, signs, gen, rotation, delayed, slot: int, pack: bool):
+def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: bool):
     """Rotate (if ``signs``) and quantize one operand along its last dim with the kernels.
 
     Returns ``(factor, quantized)`` like ``quant.linear._quantize``; ``quantized`` offers
@@ -82,18 +82,19 @@ def quantize_factor(src, op, signs, gen, rotation, delayed, slot: int, pack: boo
         M, K = x.shape
     device = x.device
     uniforms = seed = None
+    stream = 0
     if op.quantizer in ("sr", "ms_eden"):
-        shape = (M, K) if op.quantizer == "sr" else (M, K // GROUP)
-        if backend.get_draws() == "torch":
-            uniforms = torch.rand(shape, generator=gen, device=device)
+        if isinstance(rng, PhiloxStream):
+            seed, stream = rng.key, rng.stream
         else:
-            seed = torch.randint(0, 2**62, (1,), generator=gen, device=device, dtype=torch.int64)
+            shape = (M, K) if op.quantizer == "sr" else (M, K // GROUP)
+            uniforms = torch.rand(shape, generator=rng, device=device)
     prev = None if delayed is None else delayed[slot].clone()
     # Eager calls skip the custom-op dispatcher (its overhead is per call); compiled graphs need
     # the op, which torch.compile sees as opaque through its fake implementation.
     fn = ops.quantize_operand if torch.compiler.is_compiling() else ops._quantize_impl
     values, codes, scales, st, current = fn(
-        x, x_scales, kind, transpose, in_scale, signs, prev, uniforms, seed, op.quantizer,
+        x, x_scales, kind, transpose, in_scale, signs, prev, uniforms, seed, stream, op.quantizer,
         op.four_over_six, True, pack)
     if delayed is not None:
         delayed[slot] = current

@@ -14,8 +14,9 @@ through strides). Outputs, in the layout of ``A`` (``M × K``):
 ``amax`` (optional input) is the delayed amax of the previous call: it is used when positive,
 else the current amax is (as ``quant.linear._amax``). Stochastic quantizers take either explicit
 ``uniforms`` (SR: shape of ``A``; MS-EDEN: ``M × K/16``) or a ``seed`` (int64 tensor of one
-element; Philox draws, see :mod:`quant.kernels.triton_kernels`). :func:`philox_uniforms`
-returns exactly the draws the seeded path uses.
+element, the Philox key) and a ``stream`` number (Philox draws, see
+:mod:`quant.kernels.triton_kernels`). :func:`philox_uniforms` returns exactly the draws the
+seeded path uses, and :func:`philox_signs` Hadamard signs from the same generator.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def _rows_operand(x, x_scales, src, transpose):
 
 
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                   mode, four_over_six, values, pack):
+                   stream, mode, four_over_six, values, pack):
     x, x_scales, src, transpose = _rows_operand(x, x_scales, src, transpose)
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
     rot, inv = _rotation(signs)
@@ -250,7 +251,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 x, x_scales if x_scales is not None else x,
                 in_scale if in_scale is not None else dummy, signs if signs is not None else dummy,
                 amax, uniforms if uniforms is not None else dummy, seed if seed is not None else dummy,
-                val, codes, scales, st, M, Kd, sm, sk, pc,
+                val, codes, scales, st, M, Kd, sm, sk, pc, stream,
                 T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None,
                 ROT=rot, INV_SQRT=inv,
                 MODE=MODES[mode],
@@ -260,7 +261,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
 
 
 def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                   mode, four_over_six, values, pack):
+                   stream, mode, four_over_six, values, pack):
     M, Kd, *_ = _operand(x, src, transpose)
     vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
     dev = x.device
@@ -275,21 +276,21 @@ def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
 def quantize_operand(
     x: Tensor, x_scales: Optional[Tensor], src: int, transpose: bool, in_scale: Optional[Tensor],
     signs: Optional[Tensor], prev_amax: Optional[Tensor], uniforms: Optional[Tensor],
-    seed: Optional[Tensor], mode: str, four_over_six: bool, values: bool, pack: bool,
+    seed: Optional[Tensor], stream: int, mode: str, four_over_six: bool, values: bool, pack: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Any quantizer on any operand: dense (``src=0``, ``x`` float, times ``in_scale``) or packed
     NVFP4 (``src=1`` 1×16 / ``2`` 16×16: ``x`` uint8 codes, ``x_scales`` uint8 E4M3 bits,
     ``in_scale`` its tensor scale), optionally rotated by ``signs``. Returns
     ``(values, codes, scales, tensor_scale, amax)`` (see the module docstring)."""
     return _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                          mode, four_over_six, values, pack)
+                          stream, mode, four_over_six, values, pack)
 
 
 @quantize_operand.register_fake
-def _(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, mode,
+def _(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, stream, mode,
       four_over_six, values, pack):
     return _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                          mode, four_over_six, values, pack)
+                          stream, mode, four_over_six, values, pack)
 
 
 # --------------------------------------------------------------------------- named quantizers
@@ -299,13 +300,13 @@ def rtn(x: Tensor, transpose: bool = False, four_over_six: bool = False,
         amax: Optional[Tensor] = None, pack: bool = True
         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """RTN 1×16 (optionally 4/6) of ``x`` (rows) or ``xᵀ`` (``transpose``, i.e. along columns)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, None, None, "rtn",
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, None, None, 0, "rtn",
                           four_over_six, True, pack)
 
 
 @rtn.register_fake
 def _(x, transpose=False, four_over_six=False, amax=None, pack=True):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, None, None, "rtn",
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, None, None, 0, "rtn",
                           four_over_six, True, pack)
 
 
@@ -314,60 +315,60 @@ def rtn_2d(x: Tensor, transpose: bool = False, four_over_six: bool = False,
            amax: Optional[Tensor] = None, pack: bool = True
            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """RTN with one scale per 16×16 tile (optionally 4/6)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, None, None, "rtn_2d",
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, None, None, 0, "rtn_2d",
                           four_over_six, True, pack)
 
 
 @rtn_2d.register_fake
 def _(x, transpose=False, four_over_six=False, amax=None, pack=True):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, None, None, "rtn_2d",
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, None, None, 0, "rtn_2d",
                           four_over_six, True, pack)
 
 
 @torch.library.custom_op("nvfp4::sr", mutates_args=())
 def sr(x: Tensor, transpose: bool = False, uniforms: Optional[Tensor] = None,
        seed: Optional[Tensor] = None, four_over_six: bool = False, amax: Optional[Tensor] = None,
-       pack: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+       pack: bool = True, stream: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Stochastic rounding 1×16 (``four_over_six``: the biased ablation)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, uniforms, seed, "sr",
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, uniforms, seed, stream, "sr",
                           four_over_six, True, pack)
 
 
 @sr.register_fake
-def _(x, transpose=False, uniforms=None, seed=None, four_over_six=False, amax=None, pack=True):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, uniforms, seed, "sr",
+def _(x, transpose=False, uniforms=None, seed=None, four_over_six=False, amax=None, pack=True, stream=0):
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, uniforms, seed, stream, "sr",
                           four_over_six, True, pack)
 
 
 @torch.library.custom_op("nvfp4::rht_ms_eden", mutates_args=())
 def rht_ms_eden(x: Tensor, signs: Tensor, transpose: bool = False,
                 uniforms: Optional[Tensor] = None, seed: Optional[Tensor] = None,
-                amax: Optional[Tensor] = None, pack: bool = False
+                amax: Optional[Tensor] = None, pack: bool = False, stream: int = 0
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Randomized Hadamard transform (chunks of ``len(signs)``) fused with MS-EDEN."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed,
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
                           "ms_eden", False, True, pack)
 
 
 @rht_ms_eden.register_fake
-def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed,
+def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False, stream=0):
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
                           "ms_eden", False, True, pack)
 
 
 @torch.library.custom_op("nvfp4::rht_sr", mutates_args=())
 def rht_sr(x: Tensor, signs: Tensor, transpose: bool = False,
            uniforms: Optional[Tensor] = None, seed: Optional[Tensor] = None,
-           amax: Optional[Tensor] = None, pack: bool = False
+           amax: Optional[Tensor] = None, pack: bool = False, stream: int = 0
            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Randomized Hadamard transform fused with SR (tetrajet_v2's backward, nvidia's Eᵀ)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed,
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
                           "sr", False, True, pack)
 
 
 @rht_sr.register_fake
-def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed,
+def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False, stream=0):
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
                           "sr", False, True, pack)
 
 
@@ -375,13 +376,13 @@ def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False
 def rht_rtn(x: Tensor, signs: Tensor, transpose: bool = False, amax: Optional[Tensor] = None,
             pack: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Randomized Hadamard transform followed by RTN 1×16 (nvidia's Xᵀ in wgrad)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, None, None,
+    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, None, None, 0,
                           "rtn", False, True, pack)
 
 
 @rht_rtn.register_fake
 def _(x, signs, transpose=False, amax=None, pack=False):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, None, None,
+    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, None, None, 0,
                           "rtn", False, True, pack)
 
 
@@ -418,24 +419,45 @@ def _(data, scales, tile2d=False):
     return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("nvfp4::philox_uniforms", mutates_args=())
-def philox_uniforms(seed: Tensor, n: int, mode: str = "sr") -> Tensor:
-    """The draws of the seeded kernels for flat offsets ``i < n``: SR's (``mode="sr"``,
-    ``tl.rand4x(seed, i // 4)[i % 4]``; reshape to the operand's ``M × K``) or MS-EDEN's
-    (``mode="ms_eden"``, ``tl.rand(seed, i)``; reshape to ``M × K/16``)."""
-    if mode not in ("sr", "ms_eden"):
-        raise ValueError(f"philox_uniforms mode must be 'sr' or 'ms_eden', got {mode!r}")
+_RAND_KINDS = {"sr": 0, "ms_eden": 1, "signs": 2}
+
+
+def _philox_draws(seed: Tensor, stream: int, n: int, kind: str) -> Tensor:
+    if kind not in _RAND_KINDS:
+        raise ValueError(f"philox draws kind must be one of {sorted(_RAND_KINDS)}, got {kind!r}")
     out = torch.empty(n, dtype=torch.float32, device=seed.device)
     if n:
         block = 65536 if _INTERPRET else 1024
-        _launch(K.rand_kernel, (triton.cdiv(n, block),), seed, out, n, FOUR=mode == "sr",
-                BLOCK=block, num_warps=4)
+        _launch(K.rand_kernel, (triton.cdiv(n, block),), seed, out, n, stream,
+                KIND=_RAND_KINDS[kind], BLOCK=block, num_warps=4)
     return out
 
 
+@torch.library.custom_op("nvfp4::philox_uniforms", mutates_args=())
+def philox_uniforms(seed: Tensor, n: int, mode: str = "sr", stream: int = 0) -> Tensor:
+    """The draws of the seeded kernels for flat offsets ``i < n`` of ``stream``: SR's
+    (``mode="sr"``, ``P(i // 4)[i % 4]``; reshape to the operand's ``M × K``) or MS-EDEN's
+    (``mode="ms_eden"``, ``P(i)[0]``; reshape to ``M × K/16``)."""
+    if mode not in ("sr", "ms_eden"):
+        raise ValueError(f"philox_uniforms mode must be 'sr' or 'ms_eden', got {mode!r}")
+    return _philox_draws(seed, stream, n, mode)
+
+
 @philox_uniforms.register_fake
-def _(seed, n, mode="sr"):
+def _(seed, n, mode="sr", stream=0):
     return seed.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.custom_op("nvfp4::philox_signs", mutates_args=())
+def philox_signs(seed: Tensor, h: int, stream: int = 0) -> Tensor:
+    """Random Hadamard signs ``σ ∈ {±1}^h`` (FP32) from the kernels' Philox generator:
+    ``σ_j = +1`` when ``P(j)[0]`` of ``stream`` is odd."""
+    return _philox_draws(seed, stream, h, "signs")
+
+
+@philox_signs.register_fake
+def _(seed, h, stream=0):
+    return seed.new_empty((h,), dtype=torch.float32)
 
 
 def scale_product_impl(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor],

@@ -23,10 +23,13 @@ Bit-exactness rules (the reference is the contract):
 * constants are passed already rounded to FP32 (as torch rounds a Python float divisor).
 
 Random draws: explicit uniforms (``RAND=0``, for tests: the layout of the logical operand, one
-per element for SR and one per 16-group for MS-EDEN) or Philox (``RAND=1``): SR element (m, k)
-of ``A`` (flat index ``i = m·K + k``) draws ``tl.rand4x(seed, i // 4)[i % 4]`` (four draws per
-Philox call); MS-EDEN group g of row m draws ``tl.rand(seed, m·(K/16) + g)``.
-:func:`rand_kernel` materialises the SR draws for ``i = 0..n-1``, i.e. exactly what the seeded
+per element for SR and one per 16-group for MS-EDEN) or Philox (``RAND=1``) with key ``seed``
+(an int64 scalar read from memory, the step key of :mod:`quant.randomness`) and the stream
+number ``stream`` as the second counter word, i.e. ``P(i) = philox(seed, (i, stream, 0, 0))``,
+four uint32 per call: SR element (m, k) of ``A`` (flat index ``i = m·K + k``) draws
+``P(i // 4)[i % 4]``; MS-EDEN group g of row m draws ``P(m·(K/16) + g)[0]``; Hadamard sign j is
+``+1`` when ``P(j)[0]`` is odd. (Stream 0 is triton's ``tl.rand4x(seed, ·)`` stream.)
+:func:`rand_kernel` materialises any of them for ``i = 0..n-1``, i.e. exactly what the seeded
 path uses.
 """
 
@@ -327,7 +330,7 @@ def _candidate_error(x, s, s_t, u, MODE: tl.constexpr, TILE2D: tl.constexpr,
 @triton.jit
 def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                  val_ptr, code_ptr, sc_ptr, st_ptr,
-                 M, K, stride_m, stride_k, P_C,
+                 M, K, stride_m, stride_k, P_C, stream,
                  T_TENSOR: tl.constexpr, T_BLOCK: tl.constexpr,
                  SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  ROT: tl.constexpr, INV_SQRT: tl.constexpr,
@@ -364,7 +367,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         else:
             k4 = (pid_k * (CH * R * 4) + tl.arange(0, CH)[None, :, None, None] * (R * 4)
                   + tl.arange(0, R)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])
-            u = _philox_uniforms(tl.load(seed_ptr), m * (K // 4) + k4, (BM, CH, R, 16))
+            u = _philox_uniforms(tl.load(seed_ptr), stream, m * (K // 4) + k4, (BM, CH, R, 16))
 
     s_out, bits_out = _block_scale(raw)
     if FOUR_SIX:
@@ -392,7 +395,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         if RAND == 0:
             ug = tl.load(u_ptr + gm * (K // 16) + g, mask=(gm < M) & (g < K // 16), other=0.0)
         else:
-            ug = tl.rand(tl.load(seed_ptr), gm * (K // 16) + g)
+            ug = _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
         s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
@@ -424,23 +427,44 @@ def unpack_kernel(x_ptr, xs_ptr, val_ptr, NR, NC, SRC: tl.constexpr, BM: tl.cons
 
 
 @triton.jit
-def _philox_uniforms(seed, offset4, SHAPE: tl.constexpr):
+def _philox(seed, stream, offset):
+    """The four uint32 outputs of ``philox(seed, (offset, stream, 0, 0))`` (module docstring)."""
+    zero = offset * 0
+    return tl.philox(seed, offset, zero + stream, zero, zero)
+
+
+@triton.jit
+def _philox_uniform(seed, stream, offset):
+    """``P(offset)[0]`` as a uniform in [0, 1) (MS-EDEN's group draw)."""
+    r0, _r1, _r2, _r3 = _philox(seed, stream, offset)
+    return tl.uint_to_uniform_float(r0)
+
+
+@triton.jit
+def _philox_uniforms(seed, stream, offset4, SHAPE: tl.constexpr):
     """Uniforms of shape ``SHAPE`` (last dim a multiple of 4) for flat indices ``i``:
-    ``u[i] = tl.rand4x(seed, i // 4)[i % 4]``, given ``offset4 = i // 4`` with the last dim
-    divided by 4 (one Philox call yields four draws)."""
-    u0, u1, u2, u3 = tl.rand4x(seed, offset4)
+    ``u[i] = P(i // 4)[i % 4]``, given ``offset4 = i // 4`` with the last dim divided by 4 (one
+    Philox call yields four draws)."""
+    r0, r1, r2, r3 = _philox(seed, stream, offset4)
+    u0, u1 = tl.uint_to_uniform_float(r0), tl.uint_to_uniform_float(r1)
+    u2, u3 = tl.uint_to_uniform_float(r2), tl.uint_to_uniform_float(r3)
     return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), SHAPE)
 
 
 @triton.jit
-def rand_kernel(seed_ptr, out_ptr, N, FOUR: tl.constexpr, BLOCK: tl.constexpr):
-    """The seeded kernels' uniforms for flat offsets ``i < N``: ``tl.rand4x(seed, i // 4)[i % 4]``
-    (``FOUR``, SR's element draws) or ``tl.rand(seed, i)`` (MS-EDEN's group draws)."""
+def rand_kernel(seed_ptr, out_ptr, N, stream, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """The seeded kernels' draws for flat offsets ``i < N`` (module docstring): KIND 0, SR's
+    element uniforms ``P(i // 4)[i % 4]``; 1, MS-EDEN's group uniforms ``P(i)[0]``; 2, the
+    Hadamard signs ``±1`` (FP32) from the parity of ``P(i)[0]``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    if FOUR:
-        u = _philox_uniforms(tl.load(seed_ptr), tl.program_id(0) * (BLOCK // 4) + tl.arange(0, BLOCK // 4), (BLOCK,))
+    seed = tl.load(seed_ptr)
+    if KIND == 0:
+        u = _philox_uniforms(seed, stream, tl.program_id(0) * (BLOCK // 4) + tl.arange(0, BLOCK // 4), (BLOCK,))
+    elif KIND == 1:
+        u = _philox_uniform(seed, stream, offs)
     else:
-        u = tl.rand(tl.load(seed_ptr), offs)
+        r0, _r1, _r2, _r3 = _philox(seed, stream, offs)
+        u = tl.where((r0 & 1) == 1, 1.0, -1.0)
     tl.store(out_ptr + offs, u, mask=offs < N)
 
 
