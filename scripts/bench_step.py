@@ -66,7 +66,7 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()  # keeps no autograd graph (and its AccumulateGrad nodes) alive
 
     times = []
     if device.type == "cuda":
