@@ -63,6 +63,7 @@ def scheme_from_config(qcfg: DictConfig) -> quant.Scheme:
         four_over_six=qcfg.four_over_six,
         sr_four_over_six=qcfg.sr_four_over_six,
         delayed_amax=qcfg.delayed_amax,
+        range_alignment=qcfg.range_alignment,
     )
 
 

@@ -86,6 +86,27 @@ def e4m3_block_scale(raw: torch.Tensor) -> torch.Tensor:
     return torch.where(s == 0, torch.ones_like(s), s)
 
 
+def round_e4m3_mantissa(x: torch.Tensor) -> torch.Tensor:
+    """Non-negative FP32 ``x`` rounded to E4M3's 3 mantissa bits (nearest, ties to even) with
+    FP32's exponent range: an E4M3 value up to a power of two. (Integer rounding of the bit
+    pattern: add half an ulp of the 3-bit mantissa, minus one unless the kept bit is odd.)"""
+    b = x.float().view(torch.int32)
+    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000
+    return b.view(torch.float32)
+
+
+def pow2_scale_for(c_max: torch.Tensor, target: float = E4M3_MAX) -> torch.Tensor:
+    """The smallest power of two ``s`` with ``c_max / s ≤ target`` (``target`` = m·2^j with
+    m ∈ [1, 2); FP32 0-dim; 1 when ``c_max`` is 0): the post hoc tensor scale of MS-EDEN, which
+    keeps ``c / s`` exact and on E4M3's mantissa grid when ``c`` is."""
+    b = c_max.float().view(torch.int32)
+    t = torch.tensor(target, dtype=torch.float32).view(torch.int32).item()
+    exp = (b >> 23) - (t >> 23)
+    k = torch.clamp(exp + ((b & 0x7FFFFF) > (t & 0x7FFFFF)).to(torch.int32), min=-126)
+    s = ((k + 127) << 23).view(torch.float32)
+    return torch.where(c_max > 0, s, torch.ones_like(s))
+
+
 def e4m3_neighbours(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The E4M3 values ``down ≤ c ≤ up`` that bracket a non-negative ``c`` (clamped to 448).
 

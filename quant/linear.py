@@ -107,7 +107,7 @@ def _quantize(
         x = rotate(x, signs)
     if op.quantizer == "none":
         return _Factor(x), None
-    amax = _amax(x, delayed, slot)
+    amax = None if op.posthoc else _amax(x, delayed, slot)  # post hoc alignment needs no amax
     if op.quantizer == "rtn":
         q = quantize_rtn(x, four_over_six=op.four_over_six, amax=amax)
     elif op.quantizer == "rtn_2d":
@@ -117,7 +117,7 @@ def _quantize(
         q = quantize_sr(x, u, amax=amax, four_over_six=op.four_over_six)
     else:  # ms_eden
         u = uniforms(rng, (*x.shape[:-1], x.shape[-1] // GROUP), "ms_eden", x.device)
-        q = quantize_ms_eden(x, u, chunk=rotation, amax=amax)
+        q = quantize_ms_eden(x, u, chunk=rotation, amax=amax, posthoc=op.posthoc)
     return _Factor.of(q), q
 
 

@@ -38,11 +38,14 @@ class Operand:
         four_over_six: 4/6 block-scale selection (SPEC §2). On ``sr`` it is the biased ablation.
         source: for the backward operands X and W: ``"input"`` (the high-precision tensor) or
             ``"quantized"`` (the forward's quantized tensor). Ignored for E and forward operands.
+        posthoc: MS-EDEN only: post hoc range alignment instead of a tensor amax pass (SPEC §2;
+            ``quant.quantizers.quantize_ms_eden``), which lets the kernels quantize in one pass.
     """
 
     quantizer: str = "none"
     four_over_six: bool = False
     source: str = "input"
+    posthoc: bool = False
 
     def __post_init__(self) -> None:
         if self.quantizer not in QUANTIZERS:
@@ -51,6 +54,8 @@ class Operand:
             raise ValueError(f"operand source must be 'input' or 'quantized', got {self.source!r}")
         if self.four_over_six and self.quantizer not in ("rtn", "rtn_2d", "sr"):
             raise ValueError(f"4/6 selection applies to rtn, rtn_2d or sr, not {self.quantizer!r}")
+        if self.posthoc and self.quantizer != "ms_eden":
+            raise ValueError(f"post hoc range alignment applies to ms_eden, not {self.quantizer!r}")
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,7 @@ class Scheme:
 
 
 def _q(quantizer: str, four_over_six: bool = False, source: str = "input") -> Operand:
-    return Operand(quantizer, four_over_six, source)
+    return Operand(quantizer, four_over_six, source, posthoc=quantizer == "ms_eden")
 
 
 # SPEC §3, one entry per row of the scheme table.
@@ -166,8 +171,18 @@ def _set_sr_46(g: Gemm) -> Gemm:
 
 
 def _without_quantization(g: Gemm) -> Gemm:
-    return Gemm(replace(g.a, quantizer="none", four_over_six=False),
-                replace(g.b, quantizer="none", four_over_six=False))
+    return Gemm(replace(g.a, quantizer="none", four_over_six=False, posthoc=False),
+                replace(g.b, quantizer="none", four_over_six=False, posthoc=False))
+
+
+def _set_alignment(g: Gemm, posthoc: bool) -> Gemm:
+    def op(o: Operand) -> Operand:
+        return replace(o, posthoc=posthoc) if o.quantizer == "ms_eden" else o
+
+    return replace(g, a=op(g.a), b=op(g.b))
+
+
+RANGE_ALIGNMENTS = ("posthoc", "amax")
 
 
 def get_scheme(
@@ -179,6 +194,7 @@ def get_scheme(
     four_over_six: bool | None = None,
     sr_four_over_six: bool = False,
     delayed_amax: bool = False,
+    range_alignment: str | None = None,
 ) -> Scheme:
     """A named scheme with the ablation switches of SPEC §3 applied.
 
@@ -192,6 +208,10 @@ def get_scheme(
         sr_four_over_six: applies 4/6 to SR operands: a **biased** estimator, offered only as
             the negative control of the unbiasedness tests (SPEC §3, known pitfall).
         delayed_amax: tensor scales from the previous call's amax.
+        range_alignment: how MS-EDEN operands get their tensor scale: ``"posthoc"`` (the
+            presets' default: post hoc range alignment, SPEC §2, one quantization pass) or
+            ``"amax"`` (SPEC §2's table: a tensor amax first). ``None``: ``"amax"`` with
+            ``delayed_amax`` (post hoc alignment has no amax to delay), else ``"posthoc"``.
     """
     if name not in SCHEMES:
         raise ValueError(
@@ -208,6 +228,15 @@ def get_scheme(
         fwd = _set_forward_46(fwd, four_over_six)
     if sr_four_over_six:
         dgrad, wgrad = _set_sr_46(dgrad), _set_sr_46(wgrad)
+    if range_alignment is None:
+        range_alignment = "amax" if delayed_amax else "posthoc"
+    if range_alignment not in RANGE_ALIGNMENTS:
+        raise ValueError(f"unknown range_alignment {range_alignment!r}; choose one of {RANGE_ALIGNMENTS}")
+    if delayed_amax and range_alignment == "posthoc":
+        raise ValueError("delayed_amax needs range_alignment='amax': post hoc range alignment "
+                         "computes no tensor amax to delay")
+    dgrad = _set_alignment(dgrad, range_alignment == "posthoc")
+    wgrad = _set_alignment(wgrad, range_alignment == "posthoc")
     if not forward:
         fwd = _without_quantization(fwd)
     if not backward:

@@ -54,6 +54,7 @@ ABLATION_DEFAULTS = {  # quant.<key> defaults of configs/quant/*.yaml; other val
     "four_over_six": None,
     "sr_four_over_six": False,
     "delayed_amax": False,
+    "range_alignment": None,
     "keep_edge_blocks": None,
 }
 RUN_NAME = re.compile(r"^(?P<model>[^-]+)-(?P<scheme>.+)-(?P<budget>\d+(?:\.\d+)?(?:tpp|steps))-s(?P<seed>\d+)$")

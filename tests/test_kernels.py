@@ -173,7 +173,10 @@ def test_philox_streams_and_signs():
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("seeded", [False, True])
-def test_rht_ms_eden(shape, transpose, seeded):
+@pytest.mark.parametrize("posthoc", [False, True])
+def test_rht_ms_eden(shape, transpose, seeded, posthoc):
+    """Rotation + MS-EDEN, with the tensor amax pass or post hoc range alignment (two passes:
+    codes and corrected scales, then the alignment), given explicit or Philox draws."""
     x = _data(shape, seed=5)
     a = _logical(x, transpose)
     h = _rot(a.shape[1])
@@ -181,13 +184,16 @@ def test_rht_ms_eden(shape, transpose, seeded):
     if seeded:
         seed = torch.tensor([987654321], dtype=torch.int64, device=DEV)
         u = K.philox_uniforms(seed, a.numel() // 16, "ms_eden", 5).cpu().reshape(a.shape[0], -1)
-        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, None, seed, None, True, stream=5)
+        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, None, seed, None, True, stream=5,
+                            posthoc=posthoc)
     else:
         u = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(7))
-        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True)
+        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True,
+                            posthoc=posthoc)
     xr = rotate(a, signs)
-    _check(out, quantize_ms_eden(xr, u, chunk=h))
-    assert out[4].cpu() == xr.abs().amax()
+    _check(out, quantize_ms_eden(xr, u, chunk=h, posthoc=posthoc))
+    if not posthoc:  # the amax output: max |A| after rotation (post hoc: max(c), not an amax)
+        assert out[4].cpu() == xr.abs().amax()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -358,6 +364,7 @@ def _run_linear(scheme, x, w, dy, autocast):
 
 
 SCHEME_CASES = [("nvidia", {}), ("four_over_six", {}), ("tetrajet_v2", {}), ("quartet2", {}),
+                ("quartet2", {"range_alignment": "amax"}),
                 ("quartet2", {"delayed_amax": True}), ("tetrajet_v2", {"sr_four_over_six": True}),
                 ("quartet2", {"forward": False})]
 
@@ -459,5 +466,46 @@ def test_gpu_large_shapes_eden(transpose):
     a = _logical(x, transpose)
     signs = random_signs(128, torch.Generator().manual_seed(31), "cpu")
     u = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(32))
-    _check(K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True),
-           quantize_ms_eden(rotate(a, signs), u, chunk=128))
+    for posthoc in (False, True):
+        _check(K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True,
+                             posthoc=posthoc),
+               quantize_ms_eden(rotate(a, signs), u, chunk=128, posthoc=posthoc))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_cuda_graph_replays_draw_per_step():
+    """A captured forward + backward reads its draws from the device-side step key: replayed
+    after ``set_quant_step(s)`` it gives exactly the eager result of step s (quartet2: Philox
+    signs and MS-EDEN draws), and two steps differ."""
+    scheme = quant.get_scheme("quartet2")
+    g = torch.Generator().manual_seed(70)
+    x = torch.randn(256, 256, generator=g).to(DEV).requires_grad_(True)
+    w = (torch.randn(256, 256, generator=g) * 0.05).to(DEV).requires_grad_(True)
+    dy = torch.randn(256, 256, generator=g).to(DEV)
+
+    def run():
+        y = quant.quantized_linear(x, w, scheme, 3)
+        return torch.autograd.grad(y, (x, w), dy)
+
+    eager = {}
+    try:
+        for step in (5, 6):
+            randomness.set_quant_step(step)
+            eager[step] = [t.clone() for t in run()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        for step in (6, 5):
+            randomness.set_quant_step(step)
+            graph.replay()
+            torch.cuda.synchronize()
+            for a, b in zip(out, eager[step]):
+                assert torch.equal(a, b), step
+    finally:
+        randomness.set_quant_step(0)
+    assert not torch.equal(eager[5][0], eager[6][0])

@@ -89,13 +89,14 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
         else:
             shape = (M, K) if op.quantizer == "sr" else (M, K // GROUP)
             uniforms = torch.rand(shape, generator=rng, device=device)
+    delayed = None if op.posthoc else delayed  # post hoc alignment has no amax to delay
     prev = None if delayed is None else delayed[slot].clone()
     # Eager calls skip the custom-op dispatcher (its overhead is per call); compiled graphs need
     # the op, which torch.compile sees as opaque through its fake implementation.
     fn = ops.quantize_operand if torch.compiler.is_compiling() else ops._quantize_impl
     values, codes, scales, st, current = fn(
         x, x_scales, kind, transpose, in_scale, signs, prev, uniforms, seed, stream, op.quantizer,
-        op.four_over_six, True, pack)
+        op.four_over_six, True, pack, op.posthoc)
     if delayed is not None:
         delayed[slot] = current
     q = KernelQuantized(codes, scales, st, "16x16" if op.quantizer == "rtn_2d" else "1x16") if pack else None

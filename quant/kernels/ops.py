@@ -218,19 +218,27 @@ def _rows_operand(x, x_scales, src, transpose):
 
 
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                   stream, mode, four_over_six, values, pack):
+                   stream, mode, four_over_six, values, pack, posthoc=False):
     x, x_scales, src, transpose = _rows_operand(x, x_scales, src, transpose)
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
     rot, inv = _rotation(signs)
     _check(M, Kd, mode, rot)
+    if posthoc and (mode != "ms_eden" or prev_amax is not None):
+        raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
     dev = x.device
-    current = _amax_impl(x, x_scales, src, transpose, in_scale, signs)
-    amax = current if prev_amax is None else torch.where(prev_amax > 0, prev_amax.float(), current)
+    pack = pack or posthoc  # the align pass reads the codes
+    if posthoc:  # ``current`` receives max(c) from the first pass
+        current = torch.zeros((), dtype=torch.float32, device=dev)
+        amax = current
+    else:
+        current = _amax_impl(x, x_scales, src, transpose, in_scale, signs)
+        amax = current if prev_amax is None else torch.where(prev_amax > 0, prev_amax.float(), current)
     vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
     val = torch.empty(vshape, dtype=torch.bfloat16, device=dev)
     codes = torch.empty(cshape, dtype=torch.uint8, device=dev)
     scales = torch.empty(sshape, dtype=torch.uint8, device=dev)
     st = torch.ones((), dtype=torch.float32, device=dev)
+    c = torch.empty((M, Kd // GROUP) if posthoc else (0,), dtype=torch.float32, device=dev)
     stochastic = mode in ("sr", "ms_eden")
     if stochastic and (uniforms is None) == (seed is None):
         raise ValueError(f"{mode} needs exactly one of uniforms or seed")
@@ -247,22 +255,33 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         meta, bk, nw = _tiling(rot, cols, mode == "rtn_2d")
         grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, bk))
         dummy = st
+        u_arg = uniforms if uniforms is not None else dummy
+        seed_arg = seed if seed is not None else dummy
+        rand = 0 if uniforms is not None else 1
         _launch(K.quant_kernel, grid,
                 x, x_scales if x_scales is not None else x,
                 in_scale if in_scale is not None else dummy, signs if signs is not None else dummy,
-                amax, uniforms if uniforms is not None else dummy, seed if seed is not None else dummy,
-                val, codes, scales, st, M, Kd, sm, sk, pc, stream,
+                amax, u_arg, seed_arg, val, codes, scales, st, c, M, Kd, sm, sk, pc, stream,
                 T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None,
-                ROT=rot, INV_SQRT=inv,
-                MODE=MODES[mode],
-                FOUR_SIX=four_over_six, TILE2D=mode == "rtn_2d", RAND=0 if uniforms is not None else 1,
-                WRITE_VALUES=values, PACK=pack, num_warps=nw, **meta)
+                ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
+                TILE2D=mode == "rtn_2d", RAND=rand, WRITE_VALUES=values and not posthoc,
+                PACK=pack, POSTHOC=posthoc, num_warps=nw, **meta)
+        if posthoc:
+            bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
+            _launch(K.eden_align_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd // GROUP, g)),
+                    codes, c, current, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
+                    WRITE_VALUES=values, BM=bm, G=g, num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
 
 
+_ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
+"""(rows, groups, warps) of :func:`eden_align_kernel`'s tiles."""
+
+
 def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                   stream, mode, four_over_six, values, pack):
+                   stream, mode, four_over_six, values, pack, posthoc=False):
     M, Kd, *_ = _operand(x, src, transpose)
+    pack = pack or posthoc
     vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
     dev = x.device
     return (x.new_empty(vshape, dtype=torch.bfloat16), x.new_empty(cshape, dtype=torch.uint8),
@@ -277,20 +296,21 @@ def quantize_operand(
     x: Tensor, x_scales: Optional[Tensor], src: int, transpose: bool, in_scale: Optional[Tensor],
     signs: Optional[Tensor], prev_amax: Optional[Tensor], uniforms: Optional[Tensor],
     seed: Optional[Tensor], stream: int, mode: str, four_over_six: bool, values: bool, pack: bool,
+    posthoc: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Any quantizer on any operand: dense (``src=0``, ``x`` float, times ``in_scale``) or packed
     NVFP4 (``src=1`` 1×16 / ``2`` 16×16: ``x`` uint8 codes, ``x_scales`` uint8 E4M3 bits,
     ``in_scale`` its tensor scale), optionally rotated by ``signs``. Returns
     ``(values, codes, scales, tensor_scale, amax)`` (see the module docstring)."""
     return _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                          stream, mode, four_over_six, values, pack)
+                          stream, mode, four_over_six, values, pack, posthoc)
 
 
 @quantize_operand.register_fake
 def _(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, stream, mode,
-      four_over_six, values, pack):
+      four_over_six, values, pack, posthoc=False):
     return _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                          stream, mode, four_over_six, values, pack)
+                          stream, mode, four_over_six, values, pack, posthoc)
 
 
 # --------------------------------------------------------------------------- named quantizers
@@ -343,17 +363,19 @@ def _(x, transpose=False, uniforms=None, seed=None, four_over_six=False, amax=No
 @torch.library.custom_op("nvfp4::rht_ms_eden", mutates_args=())
 def rht_ms_eden(x: Tensor, signs: Tensor, transpose: bool = False,
                 uniforms: Optional[Tensor] = None, seed: Optional[Tensor] = None,
-                amax: Optional[Tensor] = None, pack: bool = False, stream: int = 0
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Randomized Hadamard transform (chunks of ``len(signs)``) fused with MS-EDEN."""
+                amax: Optional[Tensor] = None, pack: bool = False, stream: int = 0,
+                posthoc: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Randomized Hadamard transform (chunks of ``len(signs)``) fused with MS-EDEN; ``posthoc``:
+    with post hoc range alignment (no amax pass; ``amax`` then returns ``max(c)``)."""
     return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
-                          "ms_eden", False, True, pack)
+                          "ms_eden", False, True, pack, posthoc)
 
 
 @rht_ms_eden.register_fake
-def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False, stream=0):
+def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False, stream=0,
+      posthoc=False):
     return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
-                          "ms_eden", False, True, pack)
+                          "ms_eden", False, True, pack, posthoc)
 
 
 @torch.library.custom_op("nvfp4::rht_sr", mutates_args=())

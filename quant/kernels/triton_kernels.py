@@ -125,6 +125,24 @@ def _sr_e4m3(c, u):
 
 
 @triton.jit
+def _round_mantissa3(v):
+    """``quant.format.round_e4m3_mantissa``: v >= 0 to 3 mantissa bits, nearest even."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2_scale_448(c_max):
+    """``quant.format.pow2_scale_for(c_max, 448)``: the smallest power of two s with
+    ``c_max / s ≤ 448 = 1.75·2^8`` (1 when c_max is 0)."""
+    b = c_max.to(tl.int32, bitcast=True)
+    k = ((b >> 23) - 135) + ((b & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.maximum(k, -126)
+    return tl.where(c_max > 0, ((k + 127) << 23).to(tl.float32, bitcast=True), 1.0)
+
+
+@triton.jit
 def _halve_sum(v, AX: tl.constexpr, SHAPE: tl.constexpr):
     """Add the two halves of axis ``AX`` (``v[.., :n/2, ..] + v[.., n/2:, ..]``): ``v`` is
     viewed as ``SHAPE``, in which axis ``AX`` has size 2, and that axis is summed. A sum over two
@@ -329,13 +347,14 @@ def _candidate_error(x, s, s_t, u, MODE: tl.constexpr, TILE2D: tl.constexpr,
 
 @triton.jit
 def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
-                 val_ptr, code_ptr, sc_ptr, st_ptr,
+                 val_ptr, code_ptr, sc_ptr, st_ptr, c_ptr,
                  M, K, stride_m, stride_k, P_C, stream,
                  T_TENSOR: tl.constexpr, T_BLOCK: tl.constexpr,
                  SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                  MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                  RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
+                 POSTHOC: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """Quantize one tile of ``A`` along K (see the module docstring).
 
@@ -346,6 +365,12 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     Outputs (logical layout, row-major): ``val`` BF16 ``M × K`` (``q · s_block``), ``code`` uint8
     ``M × K/2`` (element 2i in the low nibble), ``sc`` uint8 E4M3 bits ``M × K/16`` (or
     ``M/16 × K/16`` with TILE2D, where BM = 16), ``st`` the FP32 tensor scale.
+
+    POSTHOC (MS-EDEN only): the first pass of post hoc range alignment
+    (``quantize_ms_eden(posthoc=True)``): no amax is read; provisional scales
+    ``m3(amax_b / v)``, the codes, and the corrected scales ``c`` (FP32, ``M × K/16`` at
+    ``c_ptr``) are written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``;
+    :func:`eden_align_kernel` then writes the scales and values.
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -354,11 +379,15 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, BM, CH, R, LOG_R)
     mask = (m < M) & (k < K)
 
-    amax = tl.load(amax_ptr)
-    s_t = tl.where(amax > 0, tl.math.div_rn(amax, T_TENSOR), 1.0)
-    if (pid_m == 0) & (pid_k == 0):
-        tl.store(st_ptr, s_t)
-    raw = tl.math.div_rn(tl.math.div_rn(_group_scales(tl.abs(x), TILE2D), T_BLOCK), s_t)
+    if POSTHOC:
+        s_t = 1.0
+        raw = tl.math.div_rn(_group_scales(tl.abs(x), TILE2D), T_BLOCK)
+    else:
+        amax = tl.load(amax_ptr)
+        s_t = tl.where(amax > 0, tl.math.div_rn(amax, T_TENSOR), 1.0)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(st_ptr, s_t)
+        raw = tl.math.div_rn(tl.math.div_rn(_group_scales(tl.abs(x), TILE2D), T_BLOCK), s_t)
 
     u = 0.0
     if MODE == 1:
@@ -369,7 +398,10 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                   + tl.arange(0, R)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])
             u = _philox_uniforms(tl.load(seed_ptr), stream, m * (K // 4) + k4, (BM, CH, R, 16))
 
-    s_out, bits_out = _block_scale(raw)
+    if POSTHOC:
+        s_out = tl.where(raw > 0, _round_mantissa3(raw), 1.0)
+    else:
+        s_out, bits_out = _block_scale(raw)
     if FOUR_SIX:
         # The two candidates one after the other: only their per-group errors stay live, and the
         # chosen one is rounded again below (the same division, hence the same values).
@@ -379,7 +411,10 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         use4 = err4 < err6
         s_out = tl.where(use4, s4, s_out)
         bits_out = tl.where(use4, bits4, bits_out)
-    x_s = tl.math.div_rn(x, tl.expand_dims(s_out, 3) * s_t)
+    if POSTHOC:
+        x_s = tl.math.div_rn(x, tl.expand_dims(s_out, 3))
+    else:
+        x_s = tl.math.div_rn(x, tl.expand_dims(s_out, 3) * s_t)
     q, code = _round_e2m1(x_s, u, MODE)
 
     # Row and group index (g = k/16) of each [BM, CH, R] entry.
@@ -392,11 +427,16 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         den = _chunk_tree_sum(x_s * q, BM, CH, R, LOG_R)
         S = tl.where(den != 0, tl.math.div_rn(num, tl.where(den != 0, den, 1.0)), 1.0)
         c = s_out * tl.max(S, axis=3)
-        if RAND == 0:
-            ug = tl.load(u_ptr + gm * (K // 16) + g, mask=(gm < M) & (g < K // 16), other=0.0)
+        if POSTHOC:
+            c = tl.where(raw > 0, c, 0.0)
+            tl.store(c_ptr + gm * (K // 16) + g, c, mask=(gm < M) & (g < K // 16))
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0))
         else:
-            ug = _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
-        s_out, bits_out = _sr_e4m3(c, ug)
+            if RAND == 0:
+                ug = tl.load(u_ptr + gm * (K // 16) + g, mask=(gm < M) & (g < K // 16), other=0.0)
+            else:
+                ug = _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
+            s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
         tl.store(val_ptr + m * K + k, (q * tl.expand_dims(s_out, 3)).to(tl.bfloat16), mask=mask)
@@ -411,8 +451,44 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         if TILE2D:
             r16 = pid_m + tl.zeros((1, CH, R), dtype=tl.int32)
             tl.store(sc_ptr + r16 * (K // 16) + g, bits_out, mask=(r16 < M // 16) & (g < K // 16))
-        else:
+        elif not POSTHOC:  # post hoc: the align pass writes the scales
             tl.store(sc_ptr + gm * (K // 16) + g, bits_out, mask=(gm < M) & (g < K // 16))
+
+
+@triton.jit
+def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
+                      stream, RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, BM: tl.constexpr,
+                      G: tl.constexpr):
+    """Second pass of MS-EDEN's post hoc range alignment (``quantize_ms_eden(posthoc=True)``,
+    steps 5'–6') on a ``[BM, G]`` tile of groups: ``s_t`` from ``max(c)``, the stochastic E4M3
+    rounding of ``c / s_t`` (the same draws as the one-pass kernel), the scale bits and the BF16
+    values ``q · sr(c/s_t)`` from the packed codes. Reads 0.75 bytes per element."""
+    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
+    gm = pid_m * BM + tl.arange(0, BM)[:, None]
+    g = pid_g * G + tl.arange(0, G)[None, :]
+    gmask = (gm < M) & (g < K // 16)
+    s_t = _pow2_scale_448(tl.load(cmax_ptr))
+    if (pid_m == 0) & (pid_g == 0):
+        tl.store(st_ptr, s_t)
+    c = tl.math.div_rn(tl.load(c_ptr + gm * (K // 16) + g, mask=gmask, other=0.0), s_t)
+    if RAND == 0:
+        ug = tl.load(u_ptr + gm * (K // 16) + g, mask=gmask, other=0.0)
+    else:
+        ug = _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
+    s, bits = _sr_e4m3(c, ug)
+    tl.store(sc_ptr + gm * (K // 16) + g, bits, mask=gmask)
+    if WRITE_VALUES:
+        gm3 = tl.expand_dims(gm, 2)
+        g3 = tl.expand_dims(g, 2)
+        j = tl.arange(0, 8)[None, None, :]
+        byte = tl.load(code_ptr + gm3 * (K // 2) + g3 * 8 + j, mask=tl.expand_dims(gmask, 2),
+                       other=0).to(tl.int32)
+        code = tl.reshape(tl.join(byte & 15, byte >> 4), (BM, G, 16))
+        mag = _e2m1_mag(code & 7)
+        q = tl.where(code >= 8, mag * -1.0, mag)
+        k = g3 * 16 + tl.arange(0, 16)[None, None, :]
+        tl.store(val_ptr + gm3 * K + k, (q * tl.expand_dims(s, 2)).to(tl.bfloat16),
+                 mask=(gm3 < M) & (k < K))
 
 
 @triton.jit
