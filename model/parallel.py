@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from quant import randomness as quant_randomness
 from quant.randomness import derive_seed
 
 AC_MODES = ("none", "full", "selective")
@@ -115,10 +116,14 @@ def init_parameters(model: nn.Module, seed: int) -> None:
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
-    """Allocate a meta-device (possibly sharded) model on ``device`` and initialise it."""
+    """Allocate a meta-device (possibly sharded) model on ``device`` and initialise it (and the
+    quantizers' step key on ``device``, :func:`quant.randomness.step_key`)."""
     model.to_empty(device=device)
     init_parameters(model, seed)
     model.init_buffers()
+    # The quantizers' device-side Philox key exists before any (compiled) forward: created
+    # inside a traced backward it would break the graph.
+    quant_randomness.step_key(device)
     for m in model.modules():
         if getattr(m, "delayed_amax", None) is not None:
             m.delayed_amax.zero_()

@@ -17,6 +17,8 @@ dimension there first (``NVFP4Tensor.dim`` records where it came from).
 
 from __future__ import annotations
 
+import struct
+
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +102,7 @@ def pow2_scale_for(c_max: torch.Tensor, target: float = E4M3_MAX) -> torch.Tenso
     m ∈ [1, 2); FP32 0-dim; 1 when ``c_max`` is 0): the post hoc tensor scale of MS-EDEN, which
     keeps ``c / s`` exact and on E4M3's mantissa grid when ``c`` is."""
     b = c_max.float().view(torch.int32)
-    t = torch.tensor(target, dtype=torch.float32).view(torch.int32).item()
+    t = struct.unpack("<i", struct.pack("<f", target))[0]  # target's FP32 bit pattern
     exp = (b >> 23) - (t >> 23)
     k = torch.clamp(exp + ((b & 0x7FFFFF) > (t & 0x7FFFFF)).to(torch.int32), min=-126)
     s = ((k + 127) << 23).view(torch.float32)

@@ -34,13 +34,14 @@ from quant.kernels import triton_kernels as K  # noqa: E402
 
 POINTERS = {"x_ptr": "*bf16", "xs_ptr": "*u8", "scale_ptr": "*fp32", "signs_ptr": "*fp32",
             "amax_ptr": "*fp32", "u_ptr": "*fp32", "seed_ptr": "*i64", "val_ptr": "*bf16",
-            "code_ptr": "*u8", "sc_ptr": "*u8", "st_ptr": "*fp32"}
+            "code_ptr": "*u8", "sc_ptr": "*u8", "st_ptr": "*fp32", "c_ptr": "*fp32"}
 
-# name: (quantizer, rotation size, 4/6)
+# name: (quantizer, rotation size, 4/6, post hoc range alignment)
 KERNELS = {
-    "rtn": ("rtn", 0, False), "rtn46": ("rtn", 0, True), "rtn2d": ("rtn_2d", 0, False),
-    "rtn2d46": ("rtn_2d", 0, True), "sr": ("sr", 0, False), "rht16_rtn": ("rtn", 16, False),
-    "rht16_sr": ("sr", 16, False), "rht32_sr": ("sr", 32, False), "rht128_eden": ("ms_eden", 128, False),
+    "rtn": ("rtn", 0, False, False), "rtn46": ("rtn", 0, True, False), "rtn2d": ("rtn_2d", 0, False, False),
+    "rtn2d46": ("rtn_2d", 0, True, False), "sr": ("sr", 0, False, False), "rht16_rtn": ("rtn", 16, False, False),
+    "rht16_sr": ("sr", 16, False, False), "rht32_sr": ("sr", 32, False, False),
+    "rht128_eden": ("ms_eden", 128, False, False), "rht128_eden_posthoc": ("ms_eden", 128, False, True),
 }
 
 
@@ -50,13 +51,13 @@ def ptxas_path() -> Path:
 
 def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
     """Compile one kernel variant for sm_90 and read its resource usage."""
-    mode, rot, four_six = KERNELS[name]
+    mode, rot, four_six, posthoc = KERNELS[name]
     bm, bk, warps = tile
     t_t, t_b = ops._targets(mode, four_six)
     consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, COLS=cols, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
-                  TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=True, PACK=True,
+                  TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=not posthoc, PACK=True, POSTHOC=posthoc,
                   **ops.tile_meta(bm, max(bk, rot), rot, mode == "rtn_2d"),
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel

@@ -509,3 +509,30 @@ def test_cuda_graph_replays_draw_per_step():
     finally:
         randomness.set_quant_step(0)
     assert not torch.equal(eager[5][0], eager[6][0])
+
+
+@pytest.mark.parametrize("name", ["nvidia", "tetrajet_v2", "quartet2"])
+def test_function_compiles_as_one_graph(name):
+    """Under ``torch.compile(fullgraph=True)`` (AOTAutograd, eager kernels) the Function traces
+    forward and backward as one graph through the ``nvfp4::`` ops' fake implementations, and
+    gives the eager result bit for bit (the draws come from the device-side step key)."""
+    g = torch.Generator().manual_seed(80)
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False))
+    quant.quantize_model(lin.to(DEV), name, skip=[])
+    x0 = torch.randn(2, 128, 256, generator=g).to(DEV)
+    randomness.step_key(x0.device)  # materialize() creates it before any compiled forward
+
+    def run(fn):
+        x = x0.clone().requires_grad_(True)
+        with backend.use_backend("triton"), randomness.quant_step(4, 1):
+            loss = fn(x).square().sum()
+            loss.backward()
+        grads = (x.grad, lin[0].weight.grad.clone())
+        lin[0].weight.grad = None
+        return loss.detach(), *grads
+
+    torch._dynamo.reset()
+    eager = run(lin)
+    compiled = run(torch.compile(lin, backend="aot_eager", fullgraph=True))
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
