@@ -413,17 +413,16 @@ def test_cli_reports_run_errors_without_traceback(data_cache, tmp_path):
 
 def test_compiled_blocks_train_like_eager(tiny, tmp_path, monkeypatch):
     """compile=true (per-block torch.compile, model/parallel.py) trains a quantized model and
-    gives the eager losses up to kernel-fusion rounding (fp32: relative 1e-4).
+    gives the eager losses and gradient norms up to kernel-fusion rounding (fp32: relative 1e-4).
 
-    The learning rate is 1e-6: AdamW's first update is about ``lr · sign(g)`` per element, so
-    fusion rounding of the gradients (measured ~1e-9 on the norm and embedding gradients) flips
-    the sign of near-zero elements and moves them by 2·lr. At the preset's 3e-3 that moved the
-    validation loss by 3e-4 relative after two steps (with quartet2's post hoc MS-EDEN; the
-    amax variant happened to flip nothing); at 1e-6 such flips are far below 1e-4. The backward
-    is checked directly by the gradient norms of both steps."""
+    The backward quantization is off here (``quant.backward=false``): fused norms change the
+    gradients flowing into the backward quantizers by ~1e-9, which flips an occasional
+    stochastic scale rounding of MS-EDEN (a whole E4M3 step of one group) and moved the gradient
+    norm by 1.3e-4 relative at step 1. The quantized backward under compile is checked on its
+    own, bit for bit, in tests/test_linear.py (``test_compiled_quantized_linear_equals_eager``)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     overrides = ("precision=fp32", "train.steps=2", "train.batch_size=4", "train.micro_batch_size=4",
-                 "train.eval_batches=1", "train.ckpt_every=1000", "optim.lr=1e-6")
+                 "train.eval_batches=1", "train.ckpt_every=1000", "quant.backward=false")
     eager = train.run(tiny(*overrides, run="eager"))
     compiled = train.run(tiny(*overrides, "compile=true", run="compiled"))
     a, b = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
