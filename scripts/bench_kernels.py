@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.cuda_graph import capture  # noqa: E402
+
 
 # Tile configs tried by --sweep, per operand layout (see quant.kernels.ops._CONFIG).
 SWEEP = {
@@ -58,15 +60,7 @@ def bench_graph(fn, reps: int = 10, iters: int = 10) -> float | None:
     graph, replayed; median per call. None when capture fails."""
     try:
         fn()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
+        g, _ = capture(lambda: [fn() for _ in range(reps)])
         return bench(g.replay, iters, 2) / reps
     except Exception as e:  # noqa: BLE001
         print(f"graph capture failed: {type(e).__name__}: {str(e)[:120]}", flush=True)

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import quant  # noqa: E402
 from model import build_model  # noqa: E402
 from model.parallel import materialize, parallelize  # noqa: E402
+from scripts.cuda_graph import capture  # noqa: E402
 from training.metrics import bf16_peak_flops  # noqa: E402
 from training.optim import build_adamw  # noqa: E402
 
@@ -76,7 +77,9 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
         tokens.copy_(torch.randint(0, cfg["vocab_size"], tokens.shape, device=device, generator=g))
         quant.set_quant_step(i)
         if args.cuda_graph and i == args.warmup:
-            graph, loss = capture(step, device)
+            if device.type != "cuda":
+                raise SystemExit("--cuda-graph needs a CUDA device")
+            graph, loss = capture(step)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -98,22 +101,6 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
         torch.cuda.empty_cache()
     return {"ms": med * 1e3, "tps": tokens / med, "flops": flops_per_token * tokens / med, "mem": peak_mem,
             "loss": loss.item()}
-
-
-def capture(step, device: torch.device):
-    """Capture ``step()`` in a CUDA graph (after warm-up steps on a side stream, as the CUDA-graph
-    notes of torch require). Returns the graph and the loss tensor it writes."""
-    if device.type != "cuda":
-        raise SystemExit("--cuda-graph needs a CUDA device")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss = step()
-    return graph, loss
 
 
 def profile_step(model, opt, cfg, args, device, g) -> None:

@@ -477,6 +477,8 @@ def test_cuda_graph_replays_draw_per_step():
     """A captured forward + backward reads its draws from the device-side step key: replayed
     after ``set_quant_step(s)`` it gives exactly the eager result of step s (quartet2: Philox
     signs and MS-EDEN draws), and two steps differ."""
+    from scripts.cuda_graph import capture
+
     scheme = quant.get_scheme("quartet2")
     g = torch.Generator().manual_seed(70)
     x = torch.randn(256, 256, generator=g).to(DEV).requires_grad_(True)
@@ -492,14 +494,7 @@ def test_cuda_graph_replays_draw_per_step():
         for step in (5, 6):
             randomness.set_quant_step(step)
             eager[step] = [t.clone() for t in run()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run()
+        graph, out = capture(run)
         for step in (6, 5):
             randomness.set_quant_step(step)
             graph.replay()

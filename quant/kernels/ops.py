@@ -2,14 +2,16 @@
 
 Each op has a fake (meta) implementation, so the ops are opaque to ``torch.compile`` and work
 under it. All ops quantize a *logical* 2-D operand ``A`` along its last dim (the reduction dim):
-``A = x`` or, with ``transpose=True``, ``A = xᵀ`` (no transpose copy is made: the kernels read
-through strides). Outputs, in the layout of ``A`` (``M × K``):
+``A = x`` or, with ``transpose=True``, ``A = xᵀ`` (loaded in memory order and transposed on
+chip, inside the quantization kernel or, on the GPU, by one transpose pass first:
+:data:`TRANSPOSE_COLS`). Outputs, in the layout of ``A`` (``M × K``):
 
 * ``values``: BF16 ``q · s_block`` (exact), the GEMM-ready operand;
 * ``codes``: uint8 ``M × K/2``, element ``2i`` in the low nibble (``NVFP4Tensor.pack`` layout);
 * ``scales``: ``float8_e4m3fn`` block scales, ``M × K/16`` (``M/16 × K/16`` for 16×16 tiles);
 * ``tensor_scale``: FP32 0-dim; ``amax``: FP32 0-dim, the current ``max |A|`` (after rotation),
-  which delayed-amax callers store for the next call.
+  which delayed-amax callers store for the next call (with ``posthoc``, MS-EDEN's post hoc range
+  alignment: the largest corrected scale instead).
 
 ``amax`` (optional input) is the delayed amax of the previous call: it is used when positive,
 else the current amax is (as ``quant.linear._amax``). Stochastic quantizers take either explicit

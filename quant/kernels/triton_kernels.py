@@ -2,15 +2,20 @@
 
 Every kernel works on a *logical* 2-D operand ``A`` (``M × K``, groups of 16 along ``K``, the GEMM's
 reduction dim). ``A`` is read through strides, so ``A = X`` and ``A = Xᵀ`` are the same kernel:
-the tile transpose happens in registers/shared memory (the launcher may still choose a
-contiguous copy where that is faster: ``quant.kernels.ops.COPY_ROTATED_COLS``).
+an operand read across memory rows (``COLS``) is loaded in memory order and transposed on chip
+(:func:`_load_tile_cols`; on the GPU the launcher runs :func:`transpose_kernel` first instead,
+``quant.kernels.ops.TRANSPOSE_COLS``).
 ``A`` is either dense (any float dtype, optionally times an FP32 tensor scale) or a packed NVFP4
 tensor (two E2M1 codes per byte + E4M3 scales, 1×16 or 16×16), possibly transposed.
 
-Two passes per quantization (the tensor scale depends on the tensor amax, and the tensor does
-not fit on chip): :func:`amax_kernel` reads ``A`` (rotating it if asked) and ``atomic_max``-es
-``max |A|`` into an FP32 scalar; :func:`quant_kernel` reads ``A`` again and writes the
-GEMM-ready values ``q · s_block`` in BF16 and, optionally, the packed storage form.
+Two passes per quantization, as the tensor scale depends on a whole-tensor maximum and the
+tensor does not fit on chip. RTN, SR and 4/6 (and MS-EDEN with ``range_alignment=amax``):
+:func:`amax_kernel` reads ``A`` (rotating it if asked) and ``atomic_max``-es ``max |A|`` into an
+FP32 scalar; :func:`quant_kernel` reads ``A`` again and writes the GEMM-ready values
+``q · s_block`` in BF16 and, optionally, the packed storage form. MS-EDEN with post hoc range
+alignment (the default): :func:`quant_kernel` (``POSTHOC``) reads ``A`` once and writes the codes
+and the corrected scales, ``atomic_max``-ing the largest; the light :func:`eden_align_kernel`
+then writes the scales and the values.
 
 Bit-exactness rules (the reference is the contract):
 * every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs),
