@@ -5,9 +5,11 @@
     python scripts/bench_kernels.py --sweep rows_wide --only eden   # one layout, some kernels
 
 Every kernel quantizes a BF16 ``M × K`` input along its rows (``A = X``) or its columns
-(``A = Xᵀ``, no transpose copy). Time = the whole op: the amax pass (reads X, rotating it when
-the quantizer rotates) and the quantization pass (reads X again, writes BF16 values and, when
-``pack``, the 4.5-bit form). Bytes = everything those two passes move:
+(``A = Xᵀ``: on the GPU the transpose pass of ``quant.kernels.ops.TRANSPOSE_COLS``, then the row
+kernel, whose tile the table shows). Time = the whole op: the amax pass (reads X, rotating it
+when the quantizer rotates) and the quantization pass (reads X again, writes BF16 values and,
+when ``pack``, the 4.5-bit form), plus the transpose for columns. Bytes = what the amax and
+quantization passes move (the transpose's extra read and write are not counted):
 ``2·|X|`` read + values (+ packed codes and scales) written (post hoc MS-EDEN: one read of X,
 its codes and corrected scales written and read back, values and scales written). The table gives the achieved
 bandwidth as a fraction of the measured device-to-device copy bandwidth (``clone`` of the same
@@ -30,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.cuda_graph import capture  # noqa: E402
 
 
-# Tile configs tried by --sweep, per operand layout (see quant.kernels.ops._CONFIG).
+# Tile configs tried by --sweep, per operand layout (see quant.kernels.ops._CONFIG). The column
+# layouts are the in-kernel column path's, which the GPU uses only with ops.TRANSPOSE_COLS off.
 SWEEP = {
     "rows": [(32, 128, 8), (16, 128, 4), (64, 128, 8), (32, 128, 4)],
     "rows_wide": [(4, 128, 1), (8, 128, 1), (8, 128, 2), (32, 128, 8)],
@@ -191,8 +194,9 @@ def main() -> None:
         return s
 
     def layout(name: str, t: bool) -> str:
+        """The tile layout the op really uses (columns run the row kernels after the transpose)."""
         rotation = re.match(r"rht(\d+)", name)
-        return ops.layout_of(int(rotation.group(1)) if rotation else 0, t)
+        return ops.layout_of(int(rotation.group(1)) if rotation else 0, t and not ops.TRANSPOSE_COLS)
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
     if a.sweep is not None:

@@ -53,12 +53,17 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # 64 or more, whose butterfly stages across groups stay inside one warp only with one-warp
 # tiles; "cols": A = Xᵀ (or a transposed packed tensor), loaded in memory order ``[BK, BM]`` and
 # transposed on chip, BM ≥ 16 (a packed tile holds whole 16-groups of its rows); "cols_wide":
-# the same for rotations over 16. BK must be a multiple of the rotation size (it is raised to
+# the same for rotations over 16. (On the GPU column operands are transposed first and use the
+# row layouts: the column layouts serve only with TRANSPOSE_COLS off.) BK must be a multiple of the rotation size (it is raised to
 # it). The interpreter runs ~8 ms per program instance, so it gets large tiles.
 # ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
 # tile at import.
 _CONFIG = {"rows": (32, 128, 8), "rows_wide": (4, 128, 1), "cols": (32, 64, 4),
            "cols_wide": (16, 128, 4), "interpret": (128, 256, 4)}
+
+
+_ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
+"""(rows, groups of 16, warps) of the tiles of MS-EDEN's post hoc align pass."""
 
 
 def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
@@ -274,10 +279,6 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                     codes, c, current, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
                     WRITE_VALUES=values, BM=bm, G=g, num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
-
-
-_ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
-"""(rows, groups, warps) of :func:`eden_align_kernel`'s tiles."""
 
 
 def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
