@@ -143,6 +143,26 @@ def test_sr_four_over_six_reaches_the_sr_operands(compose_train):
     assert not quant.SCHEMES["nvidia"].dgrad.a.four_over_six
 
 
+def test_range_alignment_reaches_the_ms_eden_operands(compose_train):
+    """quartet2's MS-EDEN operands use post hoc range alignment by default; ``amax`` (or delayed
+    amax) switches every one of them back; a wrong value or post hoc with delayed amax is refused."""
+    def eden_posthoc(*overrides: str) -> set[bool]:
+        s = train.scheme_from_config(compose_train(["quant=quartet2", *overrides]).quant)
+        ops = [o for g in (s.dgrad, s.wgrad) for o in (g.a, g.b)]
+        assert {o.quantizer for o in ops} == {"ms_eden"}
+        return {o.posthoc for o in ops}
+
+    assert eden_posthoc() == {True}
+    assert eden_posthoc("quant.range_alignment=amax") == {False}
+    assert eden_posthoc("quant.delayed_amax=true") == {False}
+    with pytest.raises(ValueError, match="range_alignment"):
+        eden_posthoc("quant.range_alignment=max")
+    with pytest.raises(ValueError, match="delayed_amax needs range_alignment='amax'"):
+        eden_posthoc("quant.delayed_amax=true", "quant.range_alignment=posthoc")
+    nvidia = train.scheme_from_config(compose_train(["quant=nvidia", "quant.range_alignment=amax"]).quant)
+    assert nvidia == quant.SCHEMES["nvidia"]  # no MS-EDEN operand: nothing changes
+
+
 def test_keep_edge_blocks_keeps_those_blocks_in_high_precision(compose_train):
     cfg = compose_train(["model=100m", "quant=nvidia", "quant.keep_edge_blocks={first: 1, last: 2}"])
     model = build_model(cfg.model, device="meta")

@@ -13,8 +13,10 @@ from quant.format import (
     e4m3_block_scale,
     e4m3_neighbours,
     encode_e2m1,
+    pow2_scale_for,
     round_e2m1,
     round_e4m3,
+    round_e4m3_mantissa,
     tensor_scale,
 )
 from quant.quantizers import quantize_ms_eden, quantize_rtn, quantize_rtn_2d, quantize_sr
@@ -117,6 +119,27 @@ def test_e4m3_neighbours_bracket():
     grid = all_e4m3_values()
     between = (grid[None, :] > down[:, None]) & (grid[None, :] < up[:, None])
     assert not between.any()
+
+
+def test_e4m3_mantissa_rounding_is_e4m3_up_to_a_power_of_two():
+    """Rounding to 3 mantissa bits with FP32's exponent range equals E4M3 rounding in E4M3's
+    normal range (ties to even included) and commutes with powers of two beyond it."""
+    g = torch.Generator().manual_seed(1)
+    normal = all_e4m3_values().abs()
+    normal = normal[(normal >= 2.0**-6)]
+    ties = (normal[:-1] + normal[1:]) / 2
+    x = torch.cat([torch.rand(5000, generator=g) * 447 + 2.0**-6, normal, ties[ties < 448]])
+    assert torch.equal(round_e4m3_mantissa(x), round_e4m3(x))
+    for k in (-40, -13, 9, 30):
+        assert torch.equal(round_e4m3_mantissa(x * 2.0**k), round_e4m3(x) * 2.0**k)
+
+
+def test_pow2_scale_for():
+    """The smallest power of two s with c / s ≤ 448; 1 for 0."""
+    for c in (448.0, 449.0, 300.0, 1.0, 1e-3, 5e4, 1.75 * 2.0**-3, 1.76 * 2.0**-3, 3e38, 1e-40):
+        s = pow2_scale_for(torch.tensor(c)).item()
+        assert math.log2(s).is_integer() and c / s <= 448 and (c / (s / 2) > 448 or s == 2.0**-126), c
+    assert pow2_scale_for(torch.tensor(0.0)).item() == 1.0
 
 
 def test_tensor_scale():
