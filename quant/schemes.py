@@ -156,16 +156,10 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
-def _set_forward_46(g: Gemm, on: bool) -> Gemm:
+def _with_operands(g: Gemm, quantizers: tuple[str, ...], **changes) -> Gemm:
+    """``g`` with ``changes`` applied to those of its operands whose quantizer is in ``quantizers``."""
     def op(o: Operand) -> Operand:
-        return replace(o, four_over_six=on) if o.quantizer in ("rtn", "rtn_2d") else o
-
-    return replace(g, a=op(g.a), b=op(g.b))
-
-
-def _set_sr_46(g: Gemm) -> Gemm:
-    def op(o: Operand) -> Operand:
-        return replace(o, four_over_six=True) if o.quantizer == "sr" else o
+        return replace(o, **changes) if o.quantizer in quantizers else o
 
     return replace(g, a=op(g.a), b=op(g.b))
 
@@ -173,13 +167,6 @@ def _set_sr_46(g: Gemm) -> Gemm:
 def _without_quantization(g: Gemm) -> Gemm:
     return Gemm(replace(g.a, quantizer="none", four_over_six=False, posthoc=False),
                 replace(g.b, quantizer="none", four_over_six=False, posthoc=False))
-
-
-def _set_alignment(g: Gemm, posthoc: bool) -> Gemm:
-    def op(o: Operand) -> Operand:
-        return replace(o, posthoc=posthoc) if o.quantizer == "ms_eden" else o
-
-    return replace(g, a=op(g.a), b=op(g.b))
 
 
 RANGE_ALIGNMENTS = ("posthoc", "amax")
@@ -225,9 +212,9 @@ def get_scheme(
         dgrad = replace(dgrad, rotation=rotation) if dgrad.rotation else dgrad
         wgrad = replace(wgrad, rotation=rotation) if wgrad.rotation else wgrad
     if four_over_six is not None:
-        fwd = _set_forward_46(fwd, four_over_six)
+        fwd = _with_operands(fwd, ("rtn", "rtn_2d"), four_over_six=four_over_six)
     if sr_four_over_six:
-        dgrad, wgrad = _set_sr_46(dgrad), _set_sr_46(wgrad)
+        dgrad, wgrad = (_with_operands(g, ("sr",), four_over_six=True) for g in (dgrad, wgrad))
     if range_alignment is None:
         range_alignment = "amax" if delayed_amax else "posthoc"
     if range_alignment not in RANGE_ALIGNMENTS:
@@ -235,8 +222,8 @@ def get_scheme(
     if delayed_amax and range_alignment == "posthoc":
         raise ValueError("delayed_amax needs range_alignment='amax': post hoc range alignment "
                          "computes no tensor amax to delay")
-    dgrad = _set_alignment(dgrad, range_alignment == "posthoc")
-    wgrad = _set_alignment(wgrad, range_alignment == "posthoc")
+    dgrad, wgrad = (_with_operands(g, ("ms_eden",), posthoc=range_alignment == "posthoc")
+                    for g in (dgrad, wgrad))
     if not forward:
         fwd = _without_quantization(fwd)
     if not backward:
