@@ -18,7 +18,6 @@ dimension there first (``NVFP4Tensor.dim`` records where it came from).
 from __future__ import annotations
 
 import struct
-
 from dataclasses import dataclass
 
 import torch

@@ -126,8 +126,7 @@ def quant_step(step: int, micro_step: int = 0) -> Iterator[None]:
     try:
         yield
     finally:
-        _STATE.step, _STATE.micro_step = old
-        _refresh_keys()
+        set_quant_step(*old)
 
 
 def state_dict() -> dict:
