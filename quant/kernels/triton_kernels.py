@@ -76,6 +76,28 @@ def _e2m1_mag(code):
 
 
 @triton.jit
+def _e2m1_value(code):
+    """Signed value of a 4-bit E2M1 code (int32 0..15; bit 3 is the sign)."""
+    mag = _e2m1_mag(code & 7)
+    return tl.where(code >= 8, mag * -1.0, mag)
+
+
+@triton.jit
+def _byte_codes(byte, SHAPE: tl.constexpr):
+    """The two 4-bit codes of each byte (element 2i in the low nibble), interleaved along the
+    last axis: ``[..., n]`` bytes to ``SHAPE = [..., 2n]`` codes."""
+    return tl.reshape(tl.join(byte & 15, byte >> 4), SHAPE)
+
+
+@triton.jit
+def _group_uniforms(u_ptr, seed_ptr, stream, gm, g, mask, K, RAND: tl.constexpr):
+    """MS-EDEN's draw of group ``g`` of row ``gm``: explicit (RAND 0, ``M × K/16``) or Philox."""
+    if RAND == 0:
+        return tl.load(u_ptr + gm * (K // 16) + g, mask=mask, other=0.0)
+    return _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
+
+
+@triton.jit
 def _rtn_e2m1(v):
     """Nearest-even E2M1 of v (saturating at 6). Returns (signed value fp32, 4-bit code int32)."""
     a = tl.abs(v)
@@ -247,9 +269,7 @@ def _load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
         # Packed P (R × C, codes along C): A = Pᵀ, so k runs over P's rows and m over C.
         bb = pid_m * (BM // 2) + tl.arange(0, BM // 2)[None, :]
         byte = tl.load(x_ptr + kk * (P_C // 2) + bb, mask=(kk < K) & (bb < M // 2), other=0).to(tl.int32)
-        code = tl.reshape(tl.join(byte & 15, byte >> 4), (BK, BM))
-        mag = _e2m1_mag(code & 7)
-        q = tl.where(code >= 8, mag * -1.0, mag)
+        q = _e2m1_value(_byte_codes(byte, (BK, BM)))
         gg = pid_m * (BM // 16) + tl.arange(0, BM // 16)[None, :]
         if SRC == 1:
             sptr = xs_ptr + kk * (P_C // 16) + gg
@@ -284,9 +304,7 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, st
             x = tl.load(x_ptr + m * stride_m + k * stride_k, mask=mask, other=0.0).to(tl.float32)
         else:
             byte = tl.load(x_ptr + m * (P_C // 2) + k // 2, mask=mask, other=0).to(tl.int32)
-            code = (byte >> ((k % 2) * 4)) & 15
-            mag = _e2m1_mag(code & 7)
-            q = tl.where(code >= 8, mag * -1.0, mag)
+            q = _e2m1_value((byte >> ((k % 2) * 4)) & 15)
             if SRC == 1:
                 sptr = xs_ptr + m * (P_C // 16) + k // 16
             else:
@@ -385,7 +403,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     mask = (m < M) & (k < K)
 
     if POSTHOC:
-        s_t = 1.0
+        s_t = 1.0  # the align pass sets the tensor scale
         raw = tl.math.div_rn(_group_scales(tl.abs(x), TILE2D), T_BLOCK)
     else:
         amax = tl.load(amax_ptr)
@@ -416,10 +434,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         use4 = err4 < err6
         s_out = tl.where(use4, s4, s_out)
         bits_out = tl.where(use4, bits4, bits_out)
-    if POSTHOC:
-        x_s = tl.math.div_rn(x, tl.expand_dims(s_out, 3))
-    else:
-        x_s = tl.math.div_rn(x, tl.expand_dims(s_out, 3) * s_t)
+    x_s = tl.math.div_rn(x, tl.expand_dims(s_out, 3) * s_t)  # post hoc: s_t = 1, exact
     q, code = _round_e2m1(x_s, u, MODE)
 
     # Row and group index (g = k/16) of each [BM, CH, R] entry.
@@ -437,10 +452,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
             tl.store(c_ptr + gm * (K // 16) + g, c, mask=(gm < M) & (g < K // 16))
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0))
         else:
-            if RAND == 0:
-                ug = tl.load(u_ptr + gm * (K // 16) + g, mask=(gm < M) & (g < K // 16), other=0.0)
-            else:
-                ug = _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
+            ug = _group_uniforms(u_ptr, seed_ptr, stream, gm, g, (gm < M) & (g < K // 16), K, RAND)
             s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
@@ -476,11 +488,7 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     if (pid_m == 0) & (pid_g == 0):
         tl.store(st_ptr, s_t)
     c = tl.math.div_rn(tl.load(c_ptr + gm * (K // 16) + g, mask=gmask, other=0.0), s_t)
-    if RAND == 0:
-        ug = tl.load(u_ptr + gm * (K // 16) + g, mask=gmask, other=0.0)
-    else:
-        ug = _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
-    s, bits = _sr_e4m3(c, ug)
+    s, bits = _sr_e4m3(c, _group_uniforms(u_ptr, seed_ptr, stream, gm, g, gmask, K, RAND))
     tl.store(sc_ptr + gm * (K // 16) + g, bits, mask=gmask)
     if WRITE_VALUES:
         gm3 = tl.expand_dims(gm, 2)
@@ -488,9 +496,7 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
         j = tl.arange(0, 8)[None, None, :]
         byte = tl.load(code_ptr + gm3 * (K // 2) + g3 * 8 + j, mask=tl.expand_dims(gmask, 2),
                        other=0).to(tl.int32)
-        code = tl.reshape(tl.join(byte & 15, byte >> 4), (BM, G, 16))
-        mag = _e2m1_mag(code & 7)
-        q = tl.where(code >= 8, mag * -1.0, mag)
+        q = _e2m1_value(_byte_codes(byte, (BM, G, 16)))
         k = g3 * 16 + tl.arange(0, 16)[None, None, :]
         tl.store(val_ptr + gm3 * K + k, (q * tl.expand_dims(s, 2)).to(tl.bfloat16),
                  mask=(gm3 < M) & (k < K))
