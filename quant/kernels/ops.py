@@ -54,8 +54,9 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # tiles; "cols": A = Xᵀ (or a transposed packed tensor), loaded in memory order ``[BK, BM]`` and
 # transposed on chip, BM ≥ 16 (a packed tile holds whole 16-groups of its rows); "cols_wide":
 # the same for rotations over 16. (On the GPU column operands are transposed first and use the
-# row layouts: the column layouts serve only with TRANSPOSE_COLS off.) BK must be a multiple of the rotation size (it is raised to
-# it). The interpreter runs ~8 ms per program instance, so it gets large tiles.
+# row layouts: the column layouts serve only with TRANSPOSE_COLS off.) BK must be a multiple of
+# the rotation size (it is raised to it). The interpreter runs ~8 ms per program instance, so it
+# gets large tiles.
 # ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
 # tile at import.
 _CONFIG = {"rows": (32, 128, 8), "rows_wide": (4, 128, 1), "cols": (32, 64, 4),
@@ -210,24 +211,25 @@ _TRANSPOSE_TILE = (64, 64, 4)
 
 
 def _rows_operand(x, x_scales, src, transpose):
-    """``(x, x_scales, src, transpose)`` to quantize: a column operand becomes its contiguous
-    transpose under :data:`TRANSPOSE_COLS` (packed sources as their exact BF16 values)."""
-    M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
+    """``(x, x_scales, src, transpose)`` to quantize and its :func:`_operand` geometry: a column
+    operand becomes its contiguous transpose under :data:`TRANSPOSE_COLS` (packed sources as
+    their exact BF16 values)."""
+    geometry = _operand(x, src, transpose)
+    M, Kd, sm, sk, pc, pt = geometry
     if not TRANSPOSE_COLS or not _is_cols(src, sk, pt):
-        return x, x_scales, src, transpose
+        return x, x_scales, src, transpose, geometry
     out = torch.empty((M, Kd), dtype=x.dtype if src == SRC_DENSE else torch.bfloat16, device=x.device)
     if M and Kd:
         bm, bk, nw = _TRANSPOSE_TILE
         _launch(K.transpose_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd, bk)), x,
                 x_scales if x_scales is not None else x, out, M, Kd, sm, sk, pc, SRC=src, BM=bm,
                 BK=bk, num_warps=nw)
-    return out, None, SRC_DENSE, False
+    return out, None, SRC_DENSE, False, _operand(out, SRC_DENSE, False)
 
 
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False):
-    x, x_scales, src, transpose = _rows_operand(x, x_scales, src, transpose)
-    M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
+    x, x_scales, src, transpose, (M, Kd, sm, sk, pc, pt) = _rows_operand(x, x_scales, src, transpose)
     rot, inv = _rotation(signs)
     _check(M, Kd, mode, rot)
     if posthoc and (mode != "ms_eden" or prev_amax is not None):
