@@ -15,9 +15,10 @@ parallelized (activation checkpointing, compile) and materialized exactly as tra
 trained on random tokens under BF16 autocast. ``--cuda-graph`` captures the whole step (forward,
 backward, clipping, AdamW) in one CUDA graph after the warm-up and times its replays, so the host
 launch overhead drops out for every scheme alike (the quantizers' draws are read on the device
-from ``quant.randomness.step_key``, so each replay still draws afresh). Prints a markdown table: median step time,
-tokens/s, MFU against the measured or given BF16 peak, peak memory, and the ratio to the first
-scheme with the same settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
+from ``quant.randomness.step_key``, so each replay still draws afresh). ``--profile N`` runs one
+more step under the profiler. Prints a markdown table: median step time, tokens/s, MFU against
+the measured or given BF16 peak, peak memory, and the ratio to the first scheme with the same
+settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
             times.append(time.perf_counter() - t)
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     if args.profile:
-        profile_step(model, opt, cfg, args, device, g)
+        tokens.copy_(torch.randint(0, cfg["vocab_size"], tokens.shape, device=device, generator=g))
+        profile_step(step, device, args.profile)
     med = statistics.median(times)
     tokens = args.batch * args.seq
     del model, opt
@@ -103,19 +105,14 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
             "loss": loss.item()}
 
 
-def profile_step(model, opt, cfg, args, device, g) -> None:
-    """One more step under ``torch.profiler``: the device kernels grouped by name, with their
+def profile_step(step, device: torch.device, top: int) -> None:
+    """One more ``step()`` under ``torch.profiler``: the device kernels grouped by name, with their
     share of the step's device time (where the time of a quantized step goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    x = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq + 1), device=device, generator=g)
     with profile(activities=acts) as prof:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step()
         if device.type == "cuda":
             torch.cuda.synchronize()
     if device.type == "cuda":  # device kernels only (host ranges would count their kernels again)
@@ -129,7 +126,7 @@ def profile_step(model, opt, cfg, args, device, g) -> None:
     total = sum(r[1] for r in rows) or 1.0
     print(f"\nprofile of one step ({'device' if device.type == 'cuda' else 'CPU'} time {total / 1e3:.1f} ms; top kernels):")
     print("| kernel | calls | time (ms) | share |\n|---|---|---|---|")
-    for name, t, n in sorted(rows, key=lambda r: -r[1])[:args.profile]:
+    for name, t, n in sorted(rows, key=lambda r: -r[1])[:top]:
         print(f"| {name[:90]} | {n} | {t / 1e3:.2f} | {t / total:.1%} |")
 
 
