@@ -57,6 +57,14 @@ def tree_sum(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+def chunk_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a multiple of 16, one rotation chunk) in a fixed order: each
+    16-group by :func:`tree_sum`, then the group sums by :func:`tree_sum`. (A kernel holding a
+    group in one thread adds it there, then combines one number per group across threads.)"""
+    groups = tree_sum(v.reshape(*v.shape[:-1], -1, GROUP)).squeeze(-1)
+    return tree_sum(groups)
+
+
 def amax_of(x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor amax ``max |x|`` (float32), or the given (delayed) amax."""
     return x.abs().amax().float() if amax is None else amax.float()
@@ -200,7 +208,7 @@ def quantize_ms_eden(
     2. ``s_t = amax/(255.99·v)``, ``s_b = e4m3(amax_b/v/s_t)`` with ``v = 6/((17/16)·0.93)``.
     3. ``q = rtn(x_s)``, ``x_s = x_rot/(s_b s_t)``, saturating at ±6.
     4. Per rotation chunk: ``S = Σ x_s² / Σ x_s q`` (1 when the denominator is 0; sums by
-       :func:`tree_sum`); ``c = s_b · S``.
+       :func:`chunk_sum`); ``c = s_b · S``.
     5. ``sr(c)``: stochastic rounding to an E4M3 neighbour, one uniform per 16-element group
        (``scale_uniforms`` has the shape of ``x_rot`` with ``dim`` divided by 16).
     6. ``x̂ = q · sr(c) · s_t``, left in the rotated basis.
@@ -249,8 +257,8 @@ def quantize_ms_eden(
     per_chunk = chunk // GROUP
     xs_c = x_s.reshape(*x_s.shape[:-2], -1, per_chunk * GROUP)
     q_c = q.reshape(xs_c.shape)
-    num = tree_sum(xs_c * xs_c)
-    den = tree_sum(xs_c * q_c)
+    num = chunk_sum(xs_c * xs_c)
+    den = chunk_sum(xs_c * q_c)
     S = torch.where(den != 0, num / torch.where(den != 0, den, 1.0), 1.0)
     c = s_b.squeeze(-1) * S.repeat_interleave(per_chunk, -2).squeeze(-1)
     if posthoc:

@@ -83,7 +83,7 @@ def layout_of(rot: int, cols: bool) -> str:
     memory rows or across them (``cols``)."""
     if cols:
         return "cols" if rot <= GROUP else "cols_wide"
-    return "rows_wide" if rot >= 64 else "rows"
+    return "rows_wide" if rot >= 32 else "rows"
 
 
 def _config(rot: int = 0, cols: bool = False) -> tuple[int, int, int]:
@@ -136,11 +136,13 @@ def _operand(x: Tensor, src: int, transpose: bool):
     return M, Kd, 0, 0, C, transpose
 
 
-def _rotation(signs: Optional[Tensor]) -> tuple[int, float]:
+def _rotation(signs: Optional[Tensor]) -> tuple[int, float, Optional[Tensor]]:
+    """Rotation size, its FP32 ``1/√h`` and the signs as the kernels read them (int8: a thread
+    then loads 16 at once, which gives the rotation its register layout; see ``_load_tile``)."""
     if signs is None:
-        return 0, 1.0
+        return 0, 1.0, None
     h = signs.numel()
-    return h, _f32(1.0 / math.sqrt(h))
+    return h, _f32(1.0 / math.sqrt(h)), signs.to(torch.int8).contiguous()
 
 
 def tile_meta(bm: int, bk: int, rot: int, tile2d: bool = False) -> dict:
@@ -181,7 +183,7 @@ def _check(M: int, Kd: int, mode: str, rot: int) -> None:
 
 def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
-    rot, inv = _rotation(signs)
+    rot, inv, signs = _rotation(signs)
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     if M == 0 or Kd == 0:
         return out
@@ -230,7 +232,7 @@ def _rows_operand(x, x_scales, src, transpose):
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False):
     x, x_scales, src, transpose, (M, Kd, sm, sk, pc, pt) = _rows_operand(x, x_scales, src, transpose)
-    rot, inv = _rotation(signs)
+    rot, inv, signs = _rotation(signs)
     _check(M, Kd, mode, rot)
     if posthoc and (mode != "ms_eden" or prev_amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
@@ -452,7 +454,7 @@ _RAND_KINDS = {"sr": 0, "ms_eden": 1, "signs": 2}
 def _philox_draws(seed: Tensor, stream: int, n: int, kind: str) -> Tensor:
     if kind not in _RAND_KINDS:
         raise ValueError(f"philox draws kind must be one of {sorted(_RAND_KINDS)}, got {kind!r}")
-    out = torch.empty(n, dtype=torch.float32, device=seed.device)
+    out = torch.empty(n, dtype=torch.int8 if kind == "signs" else torch.float32, device=seed.device)
     if n:
         block = 65536 if _INTERPRET else 1024
         _launch(K.rand_kernel, (triton.cdiv(n, block),), seed, out, n, stream,
@@ -477,14 +479,14 @@ def _(seed, n, mode="sr", stream=0):
 
 @torch.library.custom_op("nvfp4::philox_signs", mutates_args=())
 def philox_signs(seed: Tensor, h: int, stream: int = 0) -> Tensor:
-    """Random Hadamard signs ``σ ∈ {±1}^h`` (FP32) from the kernels' Philox generator:
+    """Random Hadamard signs ``σ ∈ {±1}^h`` (int8) from the kernels' Philox generator:
     ``σ_j = +1`` when ``P(j)[0]`` of ``stream`` is odd."""
     return _philox_draws(seed, stream, h, "signs")
 
 
 @philox_signs.register_fake
 def _(seed, h, stream=0):
-    return seed.new_empty((h,), dtype=torch.float32)
+    return seed.new_empty((h,), dtype=torch.int8)
 
 
 def scale_product_impl(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor],

@@ -23,7 +23,7 @@ Bit-exactness rules (the reference is the contract):
 * launch with ``enable_fp_fusion=False`` so that no multiply–add pair is contracted to an FMA;
 * the Hadamard butterfly and the EDEN chunk sums are fixed trees of single additions, each a
   sum over a size-2 axis of the reshaped tile, in the order of :func:`quant.hadamard.fwht` and
-  :func:`quant.quantizers.tree_sum`;
+  :func:`quant.quantizers.chunk_sum`;
 * values are clamped to 448 before every E4M3 cast;
 * constants are passed already rounded to FP32 (as torch rounds a Python float divisor).
 
@@ -98,36 +98,47 @@ def _group_uniforms(u_ptr, seed_ptr, stream, gm, g, mask, K, RAND: tl.constexpr)
 
 
 @triton.jit
-def _rtn_e2m1(v):
-    """Nearest-even E2M1 of v (saturating at 6). Returns (signed value fp32, 4-bit code int32)."""
-    a = tl.abs(v)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-    mag = _e2m1_mag(code)
+def _e2m1_spacing(a):
+    """E2M1's grid around ``a`` in [0, 6] (SPEC §1): its points are ``n · gap`` with the gap 1/2
+    below 2, 1 below 4 and 2 above, i.e. code ``n + off`` (off 0, 2, 4). Returns
+    ``(y = a / gap, gap, off)``; ``y`` is exact (a power-of-two multiply) and at most 4."""
+    lo2 = a < 2.0
+    lo4 = a < 4.0
+    y = a * tl.where(lo2, 2.0, tl.where(lo4, 1.0, 0.5))
+    return y, tl.where(lo2, 0.5, tl.where(lo4, 1.0, 2.0)), tl.where(lo2, 0, tl.where(lo4, 2, 4))
+
+
+@triton.jit
+def _signed_e2m1(n, gap, off, v):
+    """Value and 4-bit code of grid point ``n · gap`` (code ``n + off``) with the sign of v."""
+    mag = n * gap
+    code = n.to(tl.int32) + off
     neg = v < 0
     return tl.where(neg, mag * -1.0, mag), code + tl.where(neg, 8, 0)
 
 
 @triton.jit
+def _rtn_e2m1(v):
+    """Nearest-even E2M1 of v (saturating at 6). Returns (signed value fp32, 4-bit code int32).
+
+    The nearest grid point is ``rint(a / gap) · gap`` (:func:`_e2m1_spacing`); ``(y + 2^23) − 2^23``
+    is the nearest-even integer of ``0 <= y < 2^22``. Ties land as the reference's: 0.25 → 0,
+    0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4, 5 → 4."""
+    y, gap, off = _e2m1_spacing(tl.minimum(tl.abs(v), 6.0))
+    return _signed_e2m1((y + 8388608.0) - 8388608.0, gap, off, v)
+
+
+@triton.jit
 def _sr_e2m1(v, u):
-    """Stochastic E2M1 rounding of v with uniform u (``stochastic_round_e2m1``)."""
-    a = tl.minimum(tl.abs(v), 6.0)
-    lo_i = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
-            + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
-            + (a >= 6.0).to(tl.int32))
-    hi_i = tl.minimum(lo_i + 1, 7)
-    lo = _e2m1_mag(lo_i)
-    hi = _e2m1_mag(hi_i)
-    # (a − lo) / (hi − lo): the gaps 0.5, 1 and 2 are powers of two, so multiplying by the
-    # reciprocal is the same IEEE result as dividing (no gap at 6: P(up) = 0).
-    inv_gap = tl.where(lo_i < 4, 2.0, tl.where(lo_i < 6, 1.0, 0.5))
-    p_up = tl.where(lo_i < 7, (a - lo) * inv_gap, 0.0)
-    up = u < p_up
-    mag = tl.where(up, hi, lo)
-    code = tl.where(up, hi_i, lo_i)
-    neg = v < 0
-    return tl.where(neg, mag * -1.0, mag), code + tl.where(neg, 8, 0)
+    """Stochastic E2M1 rounding of v with uniform u (``stochastic_round_e2m1``).
+
+    ``|v|`` clamped at 6 lies between the grid points ``lo = floor(y) · gap`` and ``lo + gap``
+    (:func:`_e2m1_spacing`); ``P(up) = (a − lo) / gap = y − floor(y)``, which is exact and equal
+    to the reference's quotient (``a − lo`` is exact by Sterbenz, the gap a power of two). At 6,
+    ``P(up) = 0``."""
+    y, gap, off = _e2m1_spacing(tl.minimum(tl.abs(v), 6.0))
+    lo = tl.floor(y)
+    return _signed_e2m1(tl.where(u < y - lo, lo + 1.0, lo), gap, off, v)
 
 
 @triton.jit
@@ -226,22 +237,13 @@ def _fwht(x, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.cons
 
 
 @triton.jit
-def _pair_allsum(v, AX: tl.constexpr, SHAPE: tl.constexpr, FULL: tl.constexpr):
-    """``v`` viewed as ``SHAPE``: every element replaced by the sum of its pair along axis
-    ``AX`` (size 2); returned in the shape ``FULL``."""
-    return tl.reshape(tl.broadcast_to(tl.expand_dims(tl.sum(tl.reshape(v, SHAPE), axis=AX), AX), SHAPE), FULL)
-
-
-@triton.jit
-def _chunk_tree_sum(v, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
-    """``tree_sum`` over each chunk ``[R, 16]`` (flat index ``16·r + j``) of a ``[BM, CH, R, 16]``
-    tile, left in every element of the chunk (the tile keeps its shape and layout): the pairs
-    that differ in the highest index bit are added first (R's bits, then the 16's), each sum
-    broadcast back over its pair."""
+def _chunk_sum(v, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+    """``chunk_sum`` over each chunk ``[R, 16]`` of a ``[BM, CH, R, 16]`` tile: each 16-group
+    by ``tree_sum`` (within a thread), then the R group sums by ``tree_sum``. Returns
+    ``[BM, CH, 1]``, to broadcast over the chunk's groups."""
+    v = tl.reshape(_tree_sum_last(tl.reshape(v, (BM * CH, R, 16)), BM * CH, R, 16, 4), (BM, CH, R))
     for s in tl.static_range(LOG_R):
-        v = _pair_allsum(v, 3, (BM, CH, R >> (LOG_R - s), 2, 1 << (LOG_R - 1 - s), 16), (BM, CH, R, 16))
-    for s in tl.static_range(4):
-        v = _pair_allsum(v, 4, (BM, CH, R, 1 << s, 2, 8 >> s), (BM, CH, R, 16))
+        v = _halve_sum(v, 2, (BM, CH, 2, R >> (s + 1)))
     return v
 
 
@@ -313,9 +315,12 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, st
     if HAS_SCALE:
         x = x * tl.load(scale_ptr)
     if ROT > 0:
-        sg = tl.load(signs_ptr + tl.arange(0, R)[None, None, :, None] * 16
-                     + tl.arange(0, 16)[None, None, None, :])
-        x = _fwht(x * sg, BM, CH, R, LOG_R) * INV_SQRT
+        # The int8 signs are loaded at the tile's shape (each row and chunk reads the same h
+        # signs): a thread then holds 16 consecutive signs, and triton lays the whole rotation
+        # out with each 16-group in one thread's registers, so only the butterfly stages
+        # across groups shuffle between lanes.
+        sg = tl.load(signs_ptr + (m - m) + (k % (16 * R)))
+        x = _fwht(x * sg.to(tl.float32), BM, CH, R, LOG_R) * INV_SQRT
     return x
 
 
@@ -441,12 +446,11 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     gm = pid_m * BM + tl.arange(0, BM)[:, None, None]
     g = (pid_k * (CH * R) + tl.arange(0, CH)[None, :, None] * R + tl.arange(0, R)[None, None, :])
     if MODE == 2:
-        # EDEN correction per rotation chunk (SPEC §2, MS-EDEN steps 4–5); S is computed in every
-        # element of its chunk and read back per group (all equal, so the max is S itself).
-        num = _chunk_tree_sum(x_s * x_s, BM, CH, R, LOG_R)
-        den = _chunk_tree_sum(x_s * q, BM, CH, R, LOG_R)
+        # EDEN correction per rotation chunk (SPEC §2, MS-EDEN steps 4–5).
+        num = _chunk_sum(x_s * x_s, BM, CH, R, LOG_R)
+        den = _chunk_sum(x_s * q, BM, CH, R, LOG_R)
         S = tl.where(den != 0, tl.math.div_rn(num, tl.where(den != 0, den, 1.0)), 1.0)
-        c = s_out * tl.max(S, axis=3)
+        c = s_out * S
         if POSTHOC:
             c = tl.where(raw > 0, c, 0.0)
             tl.store(c_ptr + gm * (K // 16) + g, c, mask=(gm < M) & (g < K // 16))
@@ -542,7 +546,7 @@ def _philox_uniforms(seed, stream, offset4, SHAPE: tl.constexpr):
 def rand_kernel(seed_ptr, out_ptr, N, stream, KIND: tl.constexpr, BLOCK: tl.constexpr):
     """The seeded kernels' draws for flat offsets ``i < N`` (module docstring): KIND 0, SR's
     element uniforms ``P(i // 4)[i % 4]``; 1, MS-EDEN's group uniforms ``P(i)[0]``; 2, the
-    Hadamard signs ``±1`` (FP32) from the parity of ``P(i)[0]``."""
+    Hadamard signs ``±1`` (int8) from the parity of ``P(i)[0]``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     seed = tl.load(seed_ptr)
     if KIND == 0:
@@ -552,7 +556,7 @@ def rand_kernel(seed_ptr, out_ptr, N, stream, KIND: tl.constexpr, BLOCK: tl.cons
     else:
         r0, _r1, _r2, _r3 = _philox(seed, stream, offs)
         u = tl.where((r0 & 1) == 1, 1.0, -1.0)
-    tl.store(out_ptr + offs, u, mask=offs < N)
+    tl.store(out_ptr + offs, u.to(out_ptr.dtype.element_ty), mask=offs < N)
 
 
 @triton.jit
