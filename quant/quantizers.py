@@ -57,6 +57,9 @@ def tree_sum(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126
+
+
 def chunk_sum(v: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (a multiple of 16, one rotation chunk) in a fixed order: each
     16-group by :func:`tree_sum`, then the group sums by :func:`tree_sum`. (A kernel holding a
@@ -218,7 +221,8 @@ def quantize_ms_eden(
 
     2'. provisional block scales ``s_p = m3(amax_b / v)``: rounded to E4M3's 3 mantissa bits but
         with FP32's exponent range (:func:`~quant.format.round_e4m3_mantissa`), so no tensor
-        scale is needed yet (1 for an all-zero group);
+        scale is needed yet (1 for an all-zero group; ``amax_b / v`` is taken at least 2^-126,
+        FP32's smallest normal, so a group of subnormals gets a nonzero scale);
     3'. ``x_s = x_rot / s_p``; ``q = rtn(x_s)``, saturating at ±6;
     4'. S as in step 4, ``c = s_p · S`` (0 for an all-zero group);
     5'. align: ``s_t`` = the smallest power of two with ``max(c) / s_t ≤ 448`` over the tensor
@@ -247,7 +251,7 @@ def quantize_ms_eden(
         raise ValueError("post hoc range alignment takes no amax (delayed amax does not apply to it)")
     raw = xg.abs().amax(-1, keepdim=True) / fp32(EDEN_TARGET, xg.device)
     if posthoc:
-        s_b = torch.where(raw > 0, round_e4m3_mantissa(raw), 1.0)
+        s_b = torch.where(raw > 0, round_e4m3_mantissa(raw.clamp(min=FP32_TINY)), 1.0)
         x_s = xg / s_b
     else:
         s_t = tensor_scale(amax_of(x_rot, amax), EDEN_SCALE_MAX * EDEN_TARGET)

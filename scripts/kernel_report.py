@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quant.kernels import ops  # noqa: E402
 from quant.kernels import triton_kernels as K  # noqa: E402
 
-POINTERS = {"x_ptr": "*bf16", "xs_ptr": "*u8", "scale_ptr": "*fp32", "signs_ptr": "*fp32",
+POINTERS = {"x_ptr": "*bf16", "xs_ptr": "*u8", "scale_ptr": "*fp32", "signs_ptr": "*i8",
             "amax_ptr": "*fp32", "u_ptr": "*fp32", "seed_ptr": "*i64", "val_ptr": "*bf16",
             "code_ptr": "*u8", "sc_ptr": "*u8", "st_ptr": "*fp32", "c_ptr": "*fp32"}
 
@@ -58,6 +58,7 @@ def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=not posthoc, PACK=True, POSTHOC=posthoc,
+                  EVEN=True,
                   **ops.tile_meta(bm, max(bk, rot), rot, mode == "rtn_2d"),
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel

@@ -196,6 +196,34 @@ def test_rht_ms_eden(shape, transpose, seeded, posthoc):
         assert out[4].cpu() == xr.abs().amax()
 
 
+@pytest.mark.parametrize("posthoc", [False, True])
+def test_extreme_magnitudes(posthoc):
+    """The kernels' per-group division (reciprocal + FMA residual, with divisors below 2^-64
+    scaled first) gives the reference's IEEE quotients bit for bit at the edges of the range: in
+    one tensor, groups from 2^-133 (BF16's smallest subnormal) to 2^100, a group of subnormals
+    and one mixing a normal element with subnormals; and a whole tensor around 2^-128, whose
+    block scales are FP32 subnormals."""
+    g = torch.Generator().manual_seed(50)
+    x = torch.randn(32, 256, generator=g)
+    e = torch.linspace(-133, 100, 32 * 16).round().reshape(32, 16, 1)
+    x = (x.reshape(32, 16, 16) * torch.exp2(e)).reshape(32, 256)
+    x[5, 16:32] = torch.exp2(torch.tensor(-133.0)) * torch.arange(16)  # subnormals only
+    x[6, 32:48] = torch.exp2(torch.tensor(-130.0)) * torch.arange(16)
+    x[6, 32] = 3.0  # one normal element among subnormals
+    tiny = torch.randn(32, 256, generator=g) * 2.0**-128
+    u = torch.rand(32, 256, generator=g)
+    ug = torch.rand(32, 16, generator=g)
+    signs = random_signs(128, g, "cpu")
+    for x in (x.bfloat16(), tiny.bfloat16()):
+        for four_six in (False, True):
+            _check(K.rtn(x.to(DEV), False, four_six), quantize_rtn(x, four_over_six=four_six))
+            _check(K.sr(x.to(DEV), False, u.to(DEV), None, four_six),
+                   quantize_sr(x, u, four_over_six=four_six))
+        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, ug.to(DEV), None, None, True,
+                            posthoc=posthoc)
+        _check(out, quantize_ms_eden(rotate(x, signs), ug, chunk=128, posthoc=posthoc))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("transpose", [False, True])
 def test_rht_sr_and_rht_rtn(shape, transpose):

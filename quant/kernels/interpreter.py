@@ -1,11 +1,12 @@
 """Workarounds for triton's CPU interpreter (``TRITON_INTERPRET=1``), used by the CPU tests.
 
 Triton's interpreter converts float32 to float8e4nv wrongly for about 2% of values and does not
-saturate (upstream issue #8322), and multiplies raw bits in a bf16 ``tl.dot`` (#11584). The
-patch routes every float conversion that touches fp8e4nv or bf16 through torch (whose casts round
-to nearest even and, with the clamp the kernels apply first, saturate like the GPU), and upcasts
-bf16 dot operands. It only touches private interpreter APIs, hence the pinned triton version;
-it is a no-op when the interpreter is not in use.
+saturate (upstream issue #8322), multiplies raw bits in a bf16 ``tl.dot`` (#11584), and rounds
+``tl.math.fma`` twice (a product, then a sum). The patch routes every float conversion that
+touches fp8e4nv or bf16 through torch (whose casts round to nearest even and, with the clamp the
+kernels apply first, saturate like the GPU), upcasts bf16 dot operands, and computes float32
+FMAs with one rounding (:func:`_fma32`). It only touches private interpreter APIs, hence the
+pinned triton version; it is a no-op when the interpreter is not in use.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def interpreting() -> bool:
 
 
 def patch_interpreter() -> None:
-    """Install the two fixes in ``triton.runtime.interpreter`` (idempotent)."""
+    """Install the three fixes in ``triton.runtime.interpreter`` (idempotent)."""
     global _PATCHED
     if _PATCHED:
         return
@@ -60,4 +61,29 @@ def patch_interpreter() -> None:
         return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = dot
+
+    create_fma = builder.create_fma
+
+    def fma(self, x, y, z):
+        if z.dtype.scalar != tl.float32:
+            return create_fma(self, x, y, z)
+        return interp.TensorHandle(_fma32(x.data, y.data, z.data), tl.float32)
+
+    builder.create_fma = fma
     _PATCHED = True
+
+
+def _fma32(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """``x·y + z`` in float32 with one rounding, as the GPU's FMA: the product is exact in
+    float64, the sum is rounded to odd in float64 (its exact error by TwoSum), and 53 ≥ 24 + 2
+    bits make the final rounding to float32 correct."""
+    a, b, c = (np.asarray(v, dtype=np.float64) for v in (x, y, z))
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = a * b
+        s = p + c
+        bb = s - p
+        err = (p - (s - bb)) + (c - bb)
+        even = (s.view(np.int64) & 1) == 0
+        s = np.where((err != 0) & even & np.isfinite(s),
+                     np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)

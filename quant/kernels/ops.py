@@ -181,6 +181,11 @@ def _check(M: int, Kd: int, mode: str, rot: int) -> None:
         raise ValueError("operands of 2^31 elements or more are not supported by the kernels")
 
 
+def _whole_tiles(M: int, Kd: int, bm: int, bk: int) -> bool:
+    """Whether ``M × Kd`` is covered by whole ``bm × bk`` tiles: the kernels then need no masks."""
+    return M % bm == 0 and Kd % bk == 0
+
+
 def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
     rot, inv, signs = _rotation(signs)
@@ -193,7 +198,7 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     _launch(K.amax_kernel, grid, x, x_scales if x_scales is not None else x,
             in_scale if in_scale is not None else out, signs if signs is not None else out, out,
             M, Kd, sm, sk, pc, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None, ROT=rot,
-            INV_SQRT=inv, num_warps=nw, **meta)
+            INV_SQRT=inv, EVEN=_whole_tiles(M, Kd, meta["BM"], bk), num_warps=nw, **meta)
     return out
 
 
@@ -276,7 +281,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None,
                 ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
                 TILE2D=mode == "rtn_2d", RAND=rand, WRITE_VALUES=values and not posthoc,
-                PACK=pack, POSTHOC=posthoc, num_warps=nw, **meta)
+                PACK=pack, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
+                num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             _launch(K.eden_align_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd // GROUP, g)),

@@ -18,8 +18,9 @@ and the corrected scales, ``atomic_max``-ing the largest; the light :func:`eden_
 then writes the scales and the values.
 
 Bit-exactness rules (the reference is the contract):
-* every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs),
-  except by powers of two, which are multiplications by their exact reciprocals;
+* every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs)
+  or :func:`_div_groups` (the same quotient, by a per-group divisor), except by powers of two,
+  which are multiplications by their exact reciprocals;
 * launch with ``enable_fp_fusion=False`` so that no multiply–add pair is contracted to an FMA;
 * the Hadamard butterfly and the EDEN chunk sums are fixed trees of single additions, each a
   sum over a size-2 axis of the reshaped tile, in the order of :func:`quant.hadamard.fwht` and
@@ -58,6 +59,24 @@ def _e4m3_bits(v):
 @triton.jit
 def _e4m3_value(bits):
     return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _div_groups(x, d):
+    """``x / d`` for a ``[BM, CH, R, 16]`` tile and per-group divisors ``d`` ``[BM, CH, R]``,
+    rounded as one IEEE division (``tl.math.div_rn``) at a third of its cost: one correctly
+    rounded reciprocal ``y = 1/d`` per group, then per element ``q0 = x·y``, the exact residual
+    ``r = x − q0·d`` (an FMA) and ``q = q0 + r·y`` (an FMA): the last step of the GPU's own
+    division, which is correctly rounded for a reciprocal at least this accurate (Markstein's
+    theorem). Divisors below 2^-64 are scaled with the dividend by 2^64 first (exact, same
+    quotient), so ``y`` stays finite and the residual representable."""
+    f = tl.where(d < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+    d = d * f
+    y = tl.expand_dims(tl.math.div_rn(1.0, d), 3)
+    x = x * tl.expand_dims(f, 3)
+    q0 = x * y
+    r = tl.math.fma(q0 * -1.0, tl.expand_dims(d, 3), x)
+    return tl.math.fma(r, y, q0)
 
 
 @triton.jit
@@ -286,7 +305,7 @@ def _load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
 @triton.jit
 def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m, stride_k,
                P_C, SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
-               ROT: tl.constexpr, INV_SQRT: tl.constexpr,
+               ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """The fp32 tile ``A[m, k]`` (``[BM, CH, R, 16]``) as the reference sees it: ``src.dense()``,
     then rotated (``(x ⊙ σ) · H / √h``, h = 16·R) when ROT > 0. Masked elements are 0.
@@ -301,7 +320,7 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, st
         x = tl.reshape(_load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
                                        SRC, BM, CH * R * 16), (BM, CH, R, 16))
     else:
-        mask = (m < M) & (k < K)
+        mask = ((m < M) & (k < K)) | EVEN
         if SRC == 0:
             x = tl.load(x_ptr + m * stride_m + k * stride_k, mask=mask, other=0.0).to(tl.float32)
         else:
@@ -327,13 +346,13 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, st
 @triton.jit
 def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, stride_k, P_C,
                 SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                ROT: tl.constexpr, INV_SQRT: tl.constexpr,
+                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """``amax_ptr[0] = max(amax_ptr[0], max |A_tile|)`` (amax_ptr starts at 0)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m,
-                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, BM, CH, R, LOG_R)
+                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, BM, CH, R, LOG_R)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0))
 
 
@@ -356,12 +375,13 @@ def _group_scales(v, TILE2D: tl.constexpr):
 
 
 @triton.jit
-def _candidate_error(x, s, s_t, u, MODE: tl.constexpr, TILE2D: tl.constexpr,
-                     BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
-    """Per scale group, ``tree_sum((q · s · s_t − x)²)`` of the candidate block scales ``s``
-    (``_quantize_groups``; a 16×16 tile is summed in its row-major order: rows, then columns)."""
+def _candidate(x, s, s_t, u, MODE: tl.constexpr, TILE2D: tl.constexpr,
+               BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
+    """The elements ``q`` (values, codes) of the candidate block scales ``s`` and, per scale
+    group, their error ``tree_sum((q · s · s_t − x)²)`` (``_quantize_groups``; a 16×16 tile is
+    summed in its row-major order: rows, then columns)."""
     se = tl.expand_dims(s, 3)
-    q, _code = _round_e2m1(tl.math.div_rn(x, se * s_t), u, MODE)
+    q, code = _round_e2m1(_div_groups(x, s * s_t), u, MODE)
     d = q * se * s_t - x
     d = d * d
     if TILE2D:
@@ -370,7 +390,7 @@ def _candidate_error(x, s, s_t, u, MODE: tl.constexpr, TILE2D: tl.constexpr,
         err = tl.expand_dims(tl.reshape(_tree_sum_last(tl.reshape(d, (CH, R, 16)), CH, R, 16, 4), (CH, R)), 0)
     else:
         err = tl.reshape(_tree_sum_last(tl.reshape(d, (BM * CH, R, 16)), BM * CH, R, 16, 4), (BM, CH, R))
-    return err
+    return q, code, err
 
 
 @triton.jit
@@ -382,7 +402,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                  ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                  MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                  RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
-                 POSTHOC: tl.constexpr,
+                 POSTHOC: tl.constexpr, EVEN: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """Quantize one tile of ``A`` along K (see the module docstring).
 
@@ -404,8 +424,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     pid_k = tl.program_id(1)
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m,
-                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, BM, CH, R, LOG_R)
-    mask = (m < M) & (k < K)
+                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, BM, CH, R, LOG_R)
+    mask = ((m < M) & (k < K)) | EVEN  # EVEN: whole tiles only, no masks
 
     if POSTHOC:
         s_t = 1.0  # the align pass sets the tensor scale
@@ -427,24 +447,38 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
             u = _philox_uniforms(tl.load(seed_ptr), stream, m * (K // 4) + k4, (BM, CH, R, 16))
 
     if POSTHOC:
-        s_out = tl.where(raw > 0, _round_mantissa3(raw), 1.0)
+        s_out = tl.where(raw > 0, _round_mantissa3(tl.maximum(raw, 1.1754943508222875e-38)), 1.0)
     else:
         s_out, bits_out = _block_scale(raw)
     if FOUR_SIX:
-        # The two candidates one after the other: only their per-group errors stay live, and the
-        # chosen one is rounded again below (the same division, hence the same values).
+        # Both candidates' elements, then the one with the smaller error per group.
+        tl.static_assert(MODE != 2, "4/6 applies to RTN and SR, not MS-EDEN")
         s4, bits4 = _block_scale(raw * 1.5)
-        err6 = _candidate_error(x, s_out, s_t, u, MODE, TILE2D, BM, CH, R)
-        err4 = _candidate_error(x, s4, s_t, u, MODE, TILE2D, BM, CH, R)
+        q6, code6, err6 = _candidate(x, s_out, s_t, u, MODE, TILE2D, BM, CH, R)
+        q4, code4, err4 = _candidate(x, s4, s_t, u, MODE, TILE2D, BM, CH, R)
         use4 = err4 < err6
         s_out = tl.where(use4, s4, s_out)
         bits_out = tl.where(use4, bits4, bits_out)
-    x_s = tl.math.div_rn(x, tl.expand_dims(s_out, 3) * s_t)  # post hoc: s_t = 1, exact
-    q, code = _round_e2m1(x_s, u, MODE)
+        q = tl.where(tl.expand_dims(use4, 3), q4, q6)
+        code = tl.where(tl.expand_dims(use4, 3), code4, code6)
+    else:
+        x_s = _div_groups(x, s_out * s_t)  # post hoc: s_t = 1, exact
+        q, code = _round_e2m1(x_s, u, MODE)
+    if PACK:
+        # Two codes per byte, element 2i in the low nibble: a sum over each pair (exact ints).
+        # Stored at once, so that the rounding's predicates are not kept alive across the
+        # EDEN sums.
+        shift = tl.where(tl.arange(0, 2) == 0, 1, 16)[None, None, None, None, :]
+        packed = tl.sum(tl.reshape(code, (BM, CH, R, 8, 2)) * shift, axis=4).to(tl.uint8)
+        mh = pid_m * BM + tl.arange(0, BM)[:, None, None, None]
+        kh = (pid_k * (CH * R * 8) + tl.arange(0, CH)[None, :, None, None] * (R * 8)
+              + tl.arange(0, R)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :])
+        tl.store(code_ptr + mh * (K // 2) + kh, packed, mask=((mh < M) & (kh < K // 2)) | EVEN)
 
     # Row and group index (g = k/16) of each [BM, CH, R] entry.
     gm = pid_m * BM + tl.arange(0, BM)[:, None, None]
     g = (pid_k * (CH * R) + tl.arange(0, CH)[None, :, None] * R + tl.arange(0, R)[None, None, :])
+    gmask = ((gm < M) & (g < K // 16)) | EVEN
     if MODE == 2:
         # EDEN correction per rotation chunk (SPEC §2, MS-EDEN steps 4–5).
         num = _chunk_sum(x_s * x_s, BM, CH, R, LOG_R)
@@ -453,27 +487,20 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         c = s_out * S
         if POSTHOC:
             c = tl.where(raw > 0, c, 0.0)
-            tl.store(c_ptr + gm * (K // 16) + g, c, mask=(gm < M) & (g < K // 16))
+            tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0))
         else:
-            ug = _group_uniforms(u_ptr, seed_ptr, stream, gm, g, (gm < M) & (g < K // 16), K, RAND)
+            ug = _group_uniforms(u_ptr, seed_ptr, stream, gm, g, gmask, K, RAND)
             s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
         tl.store(val_ptr + m * K + k, (q * tl.expand_dims(s_out, 3)).to(tl.bfloat16), mask=mask)
     if PACK:
-        # Two codes per byte, element 2i in the low nibble: a sum over each pair (exact ints).
-        shift = tl.where(tl.arange(0, 2) == 0, 1, 16)[None, None, None, None, :]
-        packed = tl.sum(tl.reshape(code, (BM, CH, R, 8, 2)) * shift, axis=4).to(tl.uint8)
-        mh = pid_m * BM + tl.arange(0, BM)[:, None, None, None]
-        kh = (pid_k * (CH * R * 8) + tl.arange(0, CH)[None, :, None, None] * (R * 8)
-              + tl.arange(0, R)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :])
-        tl.store(code_ptr + mh * (K // 2) + kh, packed, mask=(mh < M) & (kh < K // 2))
         if TILE2D:
             r16 = pid_m + tl.zeros((1, CH, R), dtype=tl.int32)
             tl.store(sc_ptr + r16 * (K // 16) + g, bits_out, mask=(r16 < M // 16) & (g < K // 16))
         elif not POSTHOC:  # post hoc: the align pass writes the scales
-            tl.store(sc_ptr + gm * (K // 16) + g, bits_out, mask=(gm < M) & (g < K // 16))
+            tl.store(sc_ptr + gm * (K // 16) + g, bits_out, mask=gmask)
 
 
 @triton.jit
@@ -513,7 +540,7 @@ def unpack_kernel(x_ptr, xs_ptr, val_ptr, NR, NC, SRC: tl.constexpr, BM: tl.cons
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     m, k = _tile_index(pid_m, pid_k, BM, 1, R)
     x = _load_tile(x_ptr, xs_ptr, x_ptr, x_ptr, pid_m, pid_k, m, k, NR, NC, 0, 0, NC,
-                   SRC, False, False, 0, 1.0, BM, 1, R, 0)
+                   SRC, False, False, 0, 1.0, False, BM, 1, R, 0)
     tl.store(val_ptr + m * NC + k, x.to(tl.bfloat16), mask=(m < NR) & (k < NC))
 
 
