@@ -110,10 +110,14 @@ def _byte_codes(byte, SHAPE: tl.constexpr):
 
 @triton.jit
 def _group_uniforms(u_ptr, seed_ptr, stream, gm, g, mask, K, RAND: tl.constexpr):
-    """MS-EDEN's draw of group ``g`` of row ``gm``: explicit (RAND 0, ``M × K/16``) or Philox."""
+    """MS-EDEN's draw of group ``g`` of row ``gm``: explicit (RAND 0, ``M × K/16``) or Philox.
+    (One return after an if/else: triton's compiler also compiles the statements after a
+    return inside a constexpr branch, and Philox on RAND 0's placeholder FP32 seed fails.)"""
     if RAND == 0:
-        return tl.load(u_ptr + gm * (K // 16) + g, mask=mask, other=0.0)
-    return _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
+        u = tl.load(u_ptr + gm * (K // 16) + g, mask=mask, other=0.0)
+    else:
+        u = _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
+    return u
 
 
 @triton.jit
@@ -360,8 +364,10 @@ def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, s
 def _round_e2m1(v, u, MODE: tl.constexpr):
     """E2M1 rounding of the scaled values: stochastic with uniforms ``u`` (MODE 1), else nearest."""
     if MODE == 1:
-        return _sr_e2m1(v, u)
-    return _rtn_e2m1(v)
+        r = _sr_e2m1(v, u)
+    else:
+        r = _rtn_e2m1(v)
+    return r
 
 
 @triton.jit
