@@ -287,7 +287,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             _launch(K.eden_align_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd // GROUP, g)),
                     codes, c, current, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
-                    WRITE_VALUES=values, BM=bm, G=g, num_warps=nw)
+                    WRITE_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP), BM=bm, G=g,
+                    num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
 
 

@@ -88,17 +88,13 @@ def _block_scale(raw):
 
 
 @triton.jit
-def _e2m1_mag(code):
-    """Magnitude of a 3-bit E2M1 code (int32 0..7): 0, .5, 1, 1.5, 2, 3, 4, 6."""
-    return tl.where(code < 4, code.to(tl.float32) * 0.5,
-                    tl.where(code == 7, 6.0, (code - 2).to(tl.float32)))
-
-
-@triton.jit
 def _e2m1_value(code):
-    """Signed value of a 4-bit E2M1 code (int32 0..15; bit 3 is the sign)."""
-    mag = _e2m1_mag(code & 7)
-    return tl.where(code >= 8, mag * -1.0, mag)
+    """Signed value of a 4-bit E2M1 code (int32 0..15; bit 3 is the sign), built as FP32 bits:
+    magnitude code ``c = 2e + m`` is ``(1 + m/2) · 2^(e−1)`` for ``c ≥ 2``, i.e. the bit pattern
+    ``(c + 252) << 22``; ``c = 1`` is 0.5 and ``c = 0`` is 0 (code 8 is −0, as ``decode_e2m1``)."""
+    c = code & 7
+    bits = tl.where(c >= 2, (c + 252) << 22, tl.where(c == 1, 0x3F000000, 0)) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -224,14 +220,15 @@ def _butterfly(v, AX: tl.constexpr, SHAPE: tl.constexpr, LO):
     """One in-place Walsh–Hadamard stage on ``v`` viewed as ``SHAPE``, whose axis ``AX`` (size 2)
     holds the pairs ``(a, b)``: ``(a, b) ← (a + b, a − b)`` (``quant.hadamard.fwht``).
 
-    Written as two reductions over the pair axis and a select, which keep the tile's layout
-    (no shuffle of the tile through shared memory as split/join would): ``a − b`` is
-    ``a·1 + b·(−1)``, which IEEE defines to be the same number, zeros' signs included."""
+    Each element takes its partner ``p``, read from the integer sum of the pair's bit patterns
+    (``(a + b) − a = b``, exact modulo 2^32: one exchange between lanes when the pair spans two,
+    none in registers), and computes ``p + v`` (the lower, a + b) or ``p + (−v)`` (the upper,
+    a − b): IEEE defines ``a − b`` as ``a + (−b)``, zeros' signs included, and addition is
+    commutative, so both are the reference's operations."""
     y = tl.reshape(v, SHAPE)
-    sgn = tl.where(LO, 1.0, -1.0)
-    s = tl.expand_dims(tl.sum(y, axis=AX), AX)
-    d = tl.expand_dims(tl.sum(y * sgn, axis=AX), AX)
-    return tl.where(LO, s, d)
+    bits = y.to(tl.int32, bitcast=True)
+    p = (tl.sum(bits, axis=AX, keep_dims=True) - bits).to(tl.int32).to(tl.float32, bitcast=True)
+    return p + tl.where(LO, y, y * -1.0)
 
 
 @triton.jit
@@ -511,8 +508,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
 
 @triton.jit
 def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
-                      stream, RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, BM: tl.constexpr,
-                      G: tl.constexpr):
+                      stream, RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, EVEN: tl.constexpr,
+                      BM: tl.constexpr, G: tl.constexpr):
     """Second pass of MS-EDEN's post hoc range alignment (``quantize_ms_eden(posthoc=True)``,
     steps 5'–6') on a ``[BM, G]`` tile of groups: ``s_t`` from ``max(c)``, the stochastic E4M3
     rounding of ``c / s_t`` (the same draws as the one-pass kernel), the scale bits and the BF16
@@ -520,7 +517,7 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     pid_m, pid_g = tl.program_id(0), tl.program_id(1)
     gm = pid_m * BM + tl.arange(0, BM)[:, None]
     g = pid_g * G + tl.arange(0, G)[None, :]
-    gmask = (gm < M) & (g < K // 16)
+    gmask = ((gm < M) & (g < K // 16)) | EVEN
     s_t = _pow2_scale_448(tl.load(cmax_ptr))
     if (pid_m == 0) & (pid_g == 0):
         tl.store(st_ptr, s_t)
@@ -536,7 +533,7 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
         q = _e2m1_value(_byte_codes(byte, (BM, G, 16)))
         k = g3 * 16 + tl.arange(0, 16)[None, None, :]
         tl.store(val_ptr + gm3 * K + k, (q * tl.expand_dims(s, 2)).to(tl.bfloat16),
-                 mask=(gm3 < M) & (k < K))
+                 mask=((gm3 < M) & (k < K)) | EVEN)
 
 
 @triton.jit
