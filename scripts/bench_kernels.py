@@ -35,8 +35,9 @@ from scripts.cuda_graph import capture  # noqa: E402
 # Tile configs tried by --sweep, per operand layout (see quant.kernels.ops._CONFIG). The column
 # layouts are the in-kernel column path's, which the GPU uses only with ops.TRANSPOSE_COLS off.
 SWEEP = {
-    "rows": [(32, 128, 8), (16, 128, 4), (64, 128, 8), (32, 128, 4)],
-    "rows_wide": [(4, 128, 1), (8, 128, 1), (8, 128, 2), (32, 128, 8)],
+    "rows": [(16, 128, 4), (32, 128, 8), (64, 128, 8), (32, 128, 4), (8, 128, 2)],
+    "rows_2d": [(16, 128, 8), (16, 128, 4), (16, 256, 8)],
+    "rows_wide": [(4, 128, 1), (2, 256, 1), (8, 128, 1), (16, 128, 1)],
     "cols": [(32, 64, 4), (16, 128, 4), (32, 128, 8), (64, 32, 4)],
     "cols_wide": [(16, 128, 4), (32, 128, 8), (16, 128, 2), (32, 128, 4)],
 }
@@ -196,7 +197,8 @@ def main() -> None:
     def layout(name: str, t: bool) -> str:
         """The tile layout the op really uses (columns run the row kernels after the transpose)."""
         rotation = re.match(r"rht(\d+)", name)
-        return ops.layout_of(int(rotation.group(1)) if rotation else 0, t and not ops.TRANSPOSE_COLS)
+        return ops.layout_of(int(rotation.group(1)) if rotation else 0, t and not ops.TRANSPOSE_COLS,
+                             "16x16" in name)
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
     if a.sweep is not None:

@@ -105,7 +105,7 @@ def main() -> None:
             if a.tiles:
                 tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles]
             else:
-                tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols")]]
+                tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols", KERNELS[name][0] == "rtn_2d")]]
             for tile in tiles:
                 r = report(name, tile, dim == "cols")
                 if rows is None:

@@ -291,11 +291,12 @@ def test_rotated_columns(source, via_transpose, monkeypatch):
     _check(out, quantize_sr(rotate(a, signs), u))
 
 
-@pytest.mark.parametrize("tile", [(4, 128, 1), (128, 16, 4)])
+@pytest.mark.parametrize("tile", [(4, 128, 1), (16, 128, 4), (128, 16, 4)])
 def test_gpu_tile_shapes(tile, monkeypatch):
-    """The tile shapes the GPU uses (one-warp 4-row tiles for MS-EDEN rows, 16-wide column
-    tiles) give the reference's results too: the tile index arithmetic does not depend on the
-    interpreter's large tiles. On the GPU these are the configs in use anyway."""
+    """The tile shapes the GPU uses (one-warp 4-row tiles for MS-EDEN rows, 16-row tiles for
+    the others, 16-wide column tiles) give the reference's results too: the tile index arithmetic
+    does not depend on the interpreter's large tiles, and 48×256 is covered by whole tiles, so
+    the mask-free (EVEN) path runs. On the GPU these are the configs in use anyway."""
     if not CUDA:
         monkeypatch.setitem(kops._CONFIG, "interpret", tile)
     x = _data((48, 256), seed=41)

@@ -49,9 +49,10 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 
 # Tiles ``[BM, BK]`` and warps per layout of the logical operand (chosen from offline sm_90
 # register/shared-memory reports and the H200 sweep of scripts/bench_kernels.py --sweep):
-# "rows": A's rows are contiguous (groups along memory); "rows_wide": the same for rotations of
-# 64 or more, whose butterfly stages across groups stay inside one warp only with one-warp
-# tiles; "cols": A = Xᵀ (or a transposed packed tensor), loaded in memory order ``[BK, BM]`` and
+# "rows": A's rows are contiguous (groups along memory); "rows_2d": the same with 16×16 scale
+# tiles (BM is 16); "rows_wide": the same for rotations of 32 or more, whose butterfly stages
+# across groups stay inside one warp only when a warp's lanes cover the rows and groups of its
+# tile (each thread then holds one 16-group); "cols": A = Xᵀ (or a transposed packed tensor), loaded in memory order ``[BK, BM]`` and
 # transposed on chip, BM ≥ 16 (a packed tile holds whole 16-groups of its rows); "cols_wide":
 # the same for rotations over 16. (On the GPU column operands are transposed first and use the
 # row layouts: the column layouts serve only with TRANSPOSE_COLS off.) BK must be a multiple of
@@ -59,8 +60,8 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # gets large tiles.
 # ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
 # tile at import.
-_CONFIG = {"rows": (32, 128, 8), "rows_wide": (4, 128, 1), "cols": (32, 64, 4),
-           "cols_wide": (16, 128, 4), "interpret": (128, 256, 4)}
+_CONFIG = {"rows": (16, 128, 4), "rows_2d": (16, 128, 8), "rows_wide": (4, 128, 1),
+           "cols": (32, 64, 4), "cols_wide": (16, 128, 4), "interpret": (128, 256, 4)}
 
 
 _ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
@@ -68,7 +69,8 @@ _ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
 
 
 def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
-    """Override the tile of one layout (``rows``, ``rows_wide``, ``cols``, ``cols_wide``)."""
+    """Override the tile of one layout (``rows``, ``rows_2d``, ``rows_wide``, ``cols``,
+    ``cols_wide``)."""
     if layout not in _CONFIG:
         raise ValueError(f"unknown layout {layout!r}; one of {sorted(_CONFIG)}")
     if bk % GROUP or bm & (bm - 1) or bk & (bk - 1) or num_warps & (num_warps - 1):
@@ -78,17 +80,19 @@ def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
     _CONFIG[layout] = (bm, bk, num_warps)
 
 
-def layout_of(rot: int, cols: bool) -> str:
+def layout_of(rot: int, cols: bool, tile2d: bool = False) -> str:
     """The ``_CONFIG`` layout of an operand rotated in chunks of ``rot`` (0: none), read along its
-    memory rows or across them (``cols``)."""
+    memory rows or across them (``cols``), with 16×16 scale tiles (``tile2d``: BM is 16)."""
     if cols:
         return "cols" if rot <= GROUP else "cols_wide"
+    if tile2d:
+        return "rows_2d"
     return "rows_wide" if rot >= 32 else "rows"
 
 
-def _config(rot: int = 0, cols: bool = False) -> tuple[int, int, int]:
+def _config(rot: int = 0, cols: bool = False, tile2d: bool = False) -> tuple[int, int, int]:
     """(BM, BK, num_warps) for an operand rotated in chunks of ``rot`` (0: none)."""
-    bm, bk, nw = _CONFIG["interpret" if _INTERPRET else layout_of(rot, cols)]
+    bm, bk, nw = _CONFIG["interpret" if _INTERPRET else layout_of(rot, cols, tile2d)]
     return bm, max(bk, rot), nw
 
 
@@ -154,7 +158,7 @@ def tile_meta(bm: int, bk: int, rot: int, tile2d: bool = False) -> dict:
 
 def _tiling(rot: int, cols: bool, tile2d: bool = False) -> tuple[dict, int, int]:
     """Tile meta-parameters (:func:`tile_meta`), BK and num_warps of an operand."""
-    bm, bk, nw = _config(rot, cols)
+    bm, bk, nw = _config(rot, cols, tile2d)
     return tile_meta(bm, bk, rot, tile2d), bk, nw
 
 
