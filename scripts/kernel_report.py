@@ -1,7 +1,7 @@
 """Compile the quantization kernels for an H100/H200 (sm_90) without a GPU and report, per
-variant, what decides their speed: registers per thread, spilled bytes, layout conversions,
-shared-memory loads, barriers and shuffles (from ``triton.compile`` and the ``ptxas -v`` that
-ships with triton).
+variant, what decides their speed: SASS instructions per quantized element, registers per
+thread, spilled bytes, layout conversions, shared-memory loads, barriers and shuffles (from
+``triton.compile`` and the ``ptxas -v`` and ``cuobjdump`` that ship with triton).
 
     python scripts/kernel_report.py                                   # every kernel, the tiles in use
     python scripts/kernel_report.py --kernels rht128_eden --tiles 4x128x1 32x128x8
@@ -77,12 +77,20 @@ def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
         target = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
         log = subprocess.run([str(ptxas_path()), "-v", f"-arch={target}", path, "-o", path + ".o"],
                              capture_output=True, text=True).stderr
+        sass = subprocess.run([str(ptxas_path().parent / "cuobjdump"), "-sass", path + ".o"],
+                              capture_output=True, text=True).stdout
+    # Static SASS instructions over the elements each thread quantizes: the issue cost per element
+    # (the H200 issues ~33.5·10^12 lane instructions per second, so 60 per element is ~120 µs for
+    # 16384×4096, against ~45 µs to move the first pass's bytes).
+    per_thread = bm * max(bk, rot) / (warps * 32)
+    instructions = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+\S", sass))
 
     def number(pattern: str) -> int:
         m = re.search(pattern, log)
         return int(m.group(1)) if m else 0
 
-    return {"registers": number(r"Used (\d+) registers"), "spill bytes": number(r"(\d+) bytes spill stores"),
+    return {"SASS instr/elt": round(instructions / per_thread, 1),
+            "registers": number(r"Used (\d+) registers"), "spill bytes": number(r"(\d+) bytes spill stores"),
             "layout conversions": ck.asm["ttgir"].count("convert_layout"),
             "shared loads": len(re.findall(r"ld\.shared", ptx)), "barriers": ptx.count("bar.sync"),
             "shuffles": ptx.count("shfl.sync")}
