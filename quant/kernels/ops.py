@@ -257,7 +257,9 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     val = torch.empty(vshape, dtype=torch.bfloat16, device=dev)
     codes = torch.empty(cshape, dtype=torch.uint8, device=dev)
     scales = torch.empty(sshape, dtype=torch.uint8, device=dev)
-    st = torch.ones((), dtype=torch.float32, device=dev)
+    # The quantization (or align) kernel writes the tensor scale; an empty operand keeps 1. (One
+    # fill kernel fewer per call: eager steps are bound by host launches.)
+    st = (torch.empty if M and Kd else torch.ones)((), dtype=torch.float32, device=dev)
     c = torch.empty((M, Kd // GROUP) if posthoc else (0,), dtype=torch.float32, device=dev)
     stochastic = mode in ("sr", "ms_eden")
     if stochastic and (uniforms is None) == (seed is None):
