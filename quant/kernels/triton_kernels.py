@@ -140,11 +140,17 @@ def _signed_e2m1(n, gap, off, v):
 def _rtn_e2m1(v):
     """Nearest-even E2M1 of v (saturating at 6). Returns (signed value fp32, 4-bit code int32).
 
-    The nearest grid point is ``rint(a / gap) · gap`` (:func:`_e2m1_spacing`); ``(y + 2^23) − 2^23``
-    is the nearest-even integer of ``0 <= y < 2^22``. Ties land as the reference's: 0.25 → 0,
-    0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4, 5 → 4."""
-    y, gap, off = _e2m1_spacing(tl.minimum(tl.abs(v), 6.0))
-    return _signed_e2m1((y + 8388608.0) - 8388608.0, gap, off, v)
+    ``a = min(|v|, 6)`` plus ``M = 1.5·2^22`` (below 2), ``1.5·2^23`` (below 4) or ``1.5·2^24``
+    lies in M's binade, whose spacing is E2M1's there (½, 1, 2), so ``(a + M) − M`` is the
+    nearest grid point, ties to the even multiple (M is an even multiple). Ties land as the
+    reference's: 0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4, 5 → 4. The code
+    of a magnitude ``m ≥ 1`` is its FP32 bits ``>> 22`` minus 252; 0.5 is code 1."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    big = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
+    mag = (a + big) - big
+    code = tl.where(mag >= 1.0, (mag.to(tl.int32, bitcast=True) >> 22) - 252, (mag > 0).to(tl.int32))
+    neg = v < 0
+    return tl.where(neg, mag * -1.0, mag), code + tl.where(neg, 8, 0)
 
 
 @triton.jit
