@@ -128,10 +128,9 @@ def _e2m1_spacing(a):
 
 
 @triton.jit
-def _signed_e2m1(n, gap, off, v):
-    """Value and 4-bit code of grid point ``n · gap`` (code ``n + off``) with the sign of v."""
-    mag = n * gap
-    code = n.to(tl.int32) + off
+def _with_sign(mag, code, v):
+    """Value and 4-bit code of the E2M1 magnitude ``mag`` (code ``code``) with the sign of v
+    (``−0`` and code 8 for a negative v rounded to 0, as the reference)."""
     neg = v < 0
     return tl.where(neg, mag * -1.0, mag), code + tl.where(neg, 8, 0)
 
@@ -149,8 +148,7 @@ def _rtn_e2m1(v):
     big = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
     mag = (a + big) - big
     code = tl.where(mag >= 1.0, (mag.to(tl.int32, bitcast=True) >> 22) - 252, (mag > 0).to(tl.int32))
-    neg = v < 0
-    return tl.where(neg, mag * -1.0, mag), code + tl.where(neg, 8, 0)
+    return _with_sign(mag, code, v)
 
 
 @triton.jit
@@ -163,7 +161,8 @@ def _sr_e2m1(v, u):
     ``P(up) = 0``."""
     y, gap, off = _e2m1_spacing(tl.minimum(tl.abs(v), 6.0))
     lo = tl.floor(y)
-    return _signed_e2m1(tl.where(u < y - lo, lo + 1.0, lo), gap, off, v)
+    n = tl.where(u < y - lo, lo + 1.0, lo)
+    return _with_sign(n * gap, n.to(tl.int32) + off, v)
 
 
 @triton.jit
