@@ -105,6 +105,17 @@ def _byte_codes(byte, SHAPE: tl.constexpr):
 
 
 @triton.jit
+def _packed_scales(xs_ptr, row, group, mask, P_C, SRC: tl.constexpr):
+    """E4M3 block scales (FP32) of a packed ``R × C`` tensor (``C = P_C``) at physical ``row``
+    and 16-group ``group``: one per row and group (SRC 1, 1×16) or per 16×16 tile (SRC 2)."""
+    if SRC == 1:
+        r = row
+    else:
+        r = row // 16
+    return _e4m3_value(tl.load(xs_ptr + r * (P_C // 16) + group, mask=mask, other=0))
+
+
+@triton.jit
 def _group_uniforms(u_ptr, seed_ptr, stream, gm, g, mask, K, RAND: tl.constexpr):
     """MS-EDEN's draw of group ``g`` of row ``gm``: explicit (RAND 0, ``M × K/16``) or Philox.
     (One return after an if/else: triton's compiler also compiles the statements after a
@@ -298,11 +309,7 @@ def _load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
         byte = tl.load(x_ptr + kk * (P_C // 2) + bb, mask=(kk < K) & (bb < M // 2), other=0).to(tl.int32)
         q = _e2m1_value(_byte_codes(byte, (BK, BM)))
         gg = pid_m * (BM // 16) + tl.arange(0, BM // 16)[None, :]
-        if SRC == 1:
-            sptr = xs_ptr + kk * (P_C // 16) + gg
-        else:
-            sptr = xs_ptr + (kk // 16) * (P_C // 16) + gg
-        s = _e4m3_value(tl.load(sptr, mask=(kk < K) & (gg < M // 16), other=0))
+        s = _packed_scales(xs_ptr, kk, gg, (kk < K) & (gg < M // 16), P_C, SRC)
         s = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BK, BM // 16, 16)), (BK, BM))
         xt = q * s
     return tl.trans(xt)
@@ -332,11 +339,7 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, st
         else:
             byte = tl.load(x_ptr + m * (P_C // 2) + k // 2, mask=mask, other=0).to(tl.int32)
             q = _e2m1_value((byte >> ((k % 2) * 4)) & 15)
-            if SRC == 1:
-                sptr = xs_ptr + m * (P_C // 16) + k // 16
-            else:
-                sptr = xs_ptr + (m // 16) * (P_C // 16) + k // 16
-            x = q * _e4m3_value(tl.load(sptr, mask=mask, other=0))
+            x = q * _packed_scales(xs_ptr, m, k // 16, mask, P_C, SRC)
     if HAS_SCALE:
         x = x * tl.load(scale_ptr)
     if ROT > 0:
