@@ -54,12 +54,12 @@ def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
     mode, rot, four_six, posthoc = KERNELS[name]
     bm, bk, warps = tile
     t_t, t_b = ops._targets(mode, four_six)
+    meta = ops.tile_meta(bm, max(bk, rot), rot, mode == "rtn_2d")
     consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, COLS=cols, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=not posthoc, PACK=True, POSTHOC=posthoc,
-                  EVEN=True,
-                  **ops.tile_meta(bm, max(bk, rot), rot, mode == "rtn_2d"),
+                  EVEN=True, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel
     index = {a: i for i, a in enumerate(fn.arg_names)}
@@ -82,7 +82,7 @@ def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
     # Static SASS instructions over the elements each thread quantizes: the issue cost per element
     # (the H200 issues ~33.5·10^12 lane instructions per second, so 60 per element is ~120 µs for
     # 16384×4096, against ~45 µs to move the first pass's bytes).
-    per_thread = bm * max(bk, rot) / (warps * 32)
+    per_thread = meta["BM"] * meta["CH"] * meta["R"] * 16 / (warps * 32)  # 16×16 tiles: BM is 16
     instructions = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+\S", sass))
 
     def number(pattern: str) -> int:

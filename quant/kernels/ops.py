@@ -52,12 +52,12 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # "rows": A's rows are contiguous (groups along memory); "rows_2d": the same with 16×16 scale
 # tiles (BM is 16); "rows_wide": the same for rotations of 32 or more, whose butterfly stages
 # across groups stay inside one warp only when a warp's lanes cover the rows and groups of its
-# tile (each thread then holds one 16-group); "cols": A = Xᵀ (or a transposed packed tensor), loaded in memory order ``[BK, BM]`` and
-# transposed on chip, BM ≥ 16 (a packed tile holds whole 16-groups of its rows); "cols_wide":
-# the same for rotations over 16. (On the GPU column operands are transposed first and use the
-# row layouts: the column layouts serve only with TRANSPOSE_COLS off.) BK must be a multiple of
-# the rotation size (it is raised to it). The interpreter runs ~8 ms per program instance, so it
-# gets large tiles.
+# tile (each thread then holds one 16-group); "cols": A = Xᵀ (or a transposed packed tensor),
+# loaded in memory order ``[BK, BM]`` and transposed on chip, BM ≥ 16 (a packed tile holds whole
+# 16-groups of its rows); "cols_wide": the same for rotations over 16. (On the GPU column
+# operands are transposed first and use the row layouts: the column layouts serve only with
+# TRANSPOSE_COLS off.) BK must be a multiple of the rotation size (it is raised to it). The
+# interpreter runs ~8 ms per program instance, so it gets large tiles.
 # ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
 # tile at import.
 _CONFIG = {"rows": (16, 128, 4), "rows_2d": (16, 128, 8), "rows_wide": (4, 128, 1),
