@@ -9,7 +9,10 @@ Each GEMM ``A · Bᵀ`` (forward ``X Wᵀ``, dgrad ``E W``, wgrad ``Eᵀ X``; SP
 3. quantize each operand along the reduction dimension with its quantizer;
 4. multiply the exact ``q · s_block`` values in the compute dtype (BF16 under autocast: they are
    exact there) and apply the product of the two FP32 tensor scales to the result, as NVFP4
-   hardware does in its epilogue.
+   hardware does in its epilogue. An operand under post hoc range alignment (SPEC §2), whose
+   tensor scale is a power of two, carries it in its values, ``(q · s_block) · s_tensor``:
+   the same product as long as the values stay in BF16's normal range (above 2^-126), and the
+   kernels then write the values in their first pass (``quant.kernels.triton_kernels``).
 
 Emulation therefore differs from a real NVFP4 GEMM only in accumulation order. Random draws come
 from :mod:`quant.randomness`, keyed by (seed, step, micro-step, layer, role, rank).
@@ -118,6 +121,8 @@ def _quantize(
     else:  # ms_eden
         u = uniforms(rng, (*x.shape[:-1], x.shape[-1] // GROUP), "ms_eden", x.device)
         q = quantize_ms_eden(x, u, chunk=rotation, amax=amax, posthoc=op.posthoc)
+        if op.posthoc:  # a power-of-two tensor scale: the values carry it (step 4 below)
+            return _Factor(q.dequantize()), q
     return _Factor.of(q), q
 
 

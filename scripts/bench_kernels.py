@@ -11,7 +11,7 @@ when the quantizer rotates) and the quantization pass (reads X again, writes BF1
 when ``pack``, the 4.5-bit form), plus the transpose for columns. Bytes = what the amax and
 quantization passes move (the transpose's extra read and write are not counted):
 ``2·|X|`` read + values (+ packed codes and scales) written (post hoc MS-EDEN: one read of X,
-its codes and corrected scales written and read back, values and scales written). The table gives the achieved
+its values, codes and corrected scales written, the corrected scales read back). The table gives the achieved
 bandwidth as a fraction of the measured device-to-device copy bandwidth (``clone`` of the same
 input, read+write), and the time relative to that copy. Targets (issue #5): ≥ 75% for
 RTN/SR/4-6, ≥ 60% for the fused rotation + MS-EDEN.
@@ -80,10 +80,11 @@ def cases(x: torch.Tensor):
     seed = torch.randint(0, 2**62, (1,), generator=g, device=dev, dtype=torch.int64)
     s128, s32, s16 = (random_signs(h, g, dev) for h in (128, 32, 16))
     # name, target, fn(transpose), bytes moved per element: amax pass (read 2) + quantization
-    # pass (read 2, values 2, + 0.5625 with the packed form); post hoc MS-EDEN: read 2, codes
-    # 0.5 and corrected scales 0.25 written, then both read again, values 2 and scales 0.0625
+    # pass (read 2, values 2, + 0.5625 with the packed form); post hoc MS-EDEN: read 2, values
+    # 2, codes 0.5 and corrected scales 0.25 written, then the scales read again (the values of
+    # the rare groups whose values depend on the tensor scale rewritten)
     amax_bytes, packed_bytes = 6.0, 6.0 + 0.5625
-    posthoc_bytes = 2 + 0.75 + 0.75 + 2 + 0.0625
+    posthoc_bytes = 2 + 2 + 0.75 + 0.25
     return [
         ("rtn 1x16", 0.75, lambda t: K.rtn(x, t, False, None, True), packed_bytes),
         ("rtn 1x16 + 4/6", 0.75, lambda t: K.rtn(x, t, True, None, True), packed_bytes),
@@ -141,7 +142,8 @@ def check() -> None:
             for name, kern, ref in cases:
                 try:
                     v = kern()[0].float().cpu()
-                    r = ref().scaled_values()
+                    r = ref()  # post hoc values carry the tensor scale
+                    r = (r.dequantize() if "posthoc" in name else r.scaled_values()).bfloat16().float()
                     bad = (v.view(torch.int32) != r.view(torch.int32)).nonzero()
                     msg = "ok" if len(bad) == 0 else (
                         f"{len(bad)} mismatches; rows {bad[:, 0].unique()[:8].tolist()} "

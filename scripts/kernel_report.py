@@ -58,7 +58,7 @@ def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
     consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, COLS=cols, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
-                  TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=not posthoc, PACK=True, POSTHOC=posthoc,
+                  TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=True, PACK=True, POSTHOC=posthoc,
                   EVEN=True, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel

@@ -89,11 +89,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous().view(torch.int32)
 
 
-def _check(out, ref, packed=True):
-    """``out`` = kernel op outputs (values, codes, scales, tensor_scale, amax) vs an NVFP4Tensor."""
+def _check(out, ref, packed=True, posthoc=False):
+    """``out`` = kernel op outputs (values, codes, scales, tensor_scale, amax) vs an NVFP4Tensor;
+    ``posthoc``: the values carry the tensor scale, ``(q · s_block) · s_tensor``."""
     values, codes, scales, st, _ = (t.cpu() for t in out)
     assert values.dtype == torch.bfloat16
-    assert torch.equal(_bits(values), _bits(ref.scaled_values())), "values differ"
+    expect = ref.dequantize().bfloat16() if posthoc else ref.scaled_values()
+    assert torch.equal(_bits(values), _bits(expect)), "values differ"
     assert torch.equal(_bits(st), _bits(ref.tensor_scale)), "tensor scale differs"
     if packed:
         p = ref.pack()
@@ -191,9 +193,27 @@ def test_rht_ms_eden(shape, transpose, seeded, posthoc):
         out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True,
                             posthoc=posthoc)
     xr = rotate(a, signs)
-    _check(out, quantize_ms_eden(xr, u, chunk=h, posthoc=posthoc))
+    _check(out, quantize_ms_eden(xr, u, chunk=h, posthoc=posthoc), posthoc=posthoc)
     if not posthoc:  # the amax output: max |A| after rotation (post hoc: max(c), not an amax)
         assert out[4].cpu() == xr.abs().amax()
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_posthoc_small_groups(transpose):
+    """Post hoc alignment's first pass writes values with the tensor scale folded in, exact
+    only where the group's scale lands in E4M3's normal range; the align pass rewrites the
+    others. Rows spanning 2^0 … 2^-40 put both kinds of group in every tile."""
+    g = torch.Generator().manual_seed(60)
+    x = torch.randn(64, 256, generator=g) * torch.exp2(-torch.linspace(0, 40, 64))[:, None]
+    x = x.bfloat16()
+    a = _logical(x, transpose)
+    signs = random_signs(_rot(a.shape[1]), g, "cpu")
+    u = torch.rand(a.shape[0], a.shape[1] // 16, generator=g)
+    ref = quantize_ms_eden(rotate(a, signs), u, chunk=len(signs), posthoc=True)
+    sub = ref.block_scale < 2.0**-6
+    assert sub.any() and not sub.all()
+    out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True, posthoc=True)
+    _check(out, ref, posthoc=True)
 
 
 @pytest.mark.parametrize("posthoc", [False, True])
@@ -221,7 +241,7 @@ def test_extreme_magnitudes(posthoc):
                    quantize_sr(x, u, four_over_six=four_six))
         out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, ug.to(DEV), None, None, True,
                             posthoc=posthoc)
-        _check(out, quantize_ms_eden(rotate(x, signs), ug, chunk=128, posthoc=posthoc))
+        _check(out, quantize_ms_eden(rotate(x, signs), ug, chunk=128, posthoc=posthoc), posthoc=posthoc)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -498,7 +518,7 @@ def test_gpu_large_shapes_eden(transpose):
     for posthoc in (False, True):
         _check(K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True,
                              posthoc=posthoc),
-               quantize_ms_eden(rotate(a, signs), u, chunk=128, posthoc=posthoc))
+               quantize_ms_eden(rotate(a, signs), u, chunk=128, posthoc=posthoc), posthoc=posthoc)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")

@@ -3,7 +3,8 @@
 :func:`quantize_factor` is the Triton twin of ``quant.linear._quantize``: same operand, same
 quantizer, same draws (a :class:`~quant.randomness.PhiloxStream` the kernel draws from itself,
 or uniforms drawn from the (layer, role) generator), same delayed-amax bookkeeping. Its output values are the BF16
-``q · s_block`` (the reference's FP32 values, which are exact in BF16) with the FP32 tensor scale.
+``q · s_block`` (the reference's FP32 values, which are exact in BF16) with the FP32 tensor scale,
+or under post hoc range alignment ``(q · s_block) · s_tensor`` with no scale left to apply.
 
 :class:`PackedFactor` stands for an operand the forward saved in packed NVFP4 form: the kernels
 read its 4.5-bit codes directly (no BF16/FP32 unpacked copy), and it is unpacked (one light
@@ -100,4 +101,4 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
     if delayed is not None:
         delayed[slot] = current
     q = KernelQuantized(codes, scales, st, "16x16" if op.quantizer == "rtn_2d" else "1x16") if pack else None
-    return _Factor(values, st), q
+    return _Factor(values, None if op.posthoc else st), q  # post hoc values carry s_t

@@ -6,7 +6,9 @@ under it. All ops quantize a *logical* 2-D operand ``A`` along its last dim (the
 chip, inside the quantization kernel or, on the GPU, by one transpose pass first:
 :data:`TRANSPOSE_COLS`). Outputs, in the layout of ``A`` (``M × K``):
 
-* ``values``: BF16 ``q · s_block`` (exact), the GEMM-ready operand;
+* ``values``: BF16 ``q · s_block`` (exact), the GEMM-ready operand; with ``posthoc`` (MS-EDEN's
+  post hoc range alignment, whose tensor scale is a power of two) ``q · s_block · s_tensor``,
+  the scale folded in (exact down to BF16's normal range, 2^-126);
 * ``codes``: uint8 ``M × K/2``, element ``2i`` in the low nibble (``NVFP4Tensor.pack`` layout);
 * ``scales``: ``float8_e4m3fn`` block scales, ``M × K/16`` (``M/16 × K/16`` for 16×16 tiles);
 * ``tensor_scale``: FP32 0-dim; ``amax``: FP32 0-dim, the current ``max |A|`` (after rotation),
@@ -206,13 +208,13 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     return out
 
 
-def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool):
+def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool, codes: bool):
     sc = (M // GROUP, Kd // GROUP) if mode == "rtn_2d" else (M, Kd // GROUP)
-    return ((M, Kd) if values else (0,)), ((M, Kd // 2) if pack else (0,)), (sc if pack else (0,))
+    return ((M, Kd) if values else (0,)), ((M, Kd // 2) if codes else (0,)), (sc if pack else (0,))
 
 
-TRANSPOSE_COLS = not _INTERPRET
-"""On the GPU, quantize an operand read across memory rows (``A = Xᵀ``, or a transposed packed
+TRANSPOSE_COLS = not _INTERPRET and os.environ.get("NVFP4_TRANSPOSE_COLS", "1") != "0"
+"""On the GPU (``NVFP4_TRANSPOSE_COLS=0`` turns it off), quantize an operand read across memory rows (``A = Xᵀ``, or a transposed packed
 tensor) from a contiguous ``A`` made by :func:`transpose_kernel` (one coalesced read and write)
 rather than in the quantization kernels' column path. Both give the same bits (tests run both);
 with triton 3.6 on the H200 the column path's tile transpose leaves the group reductions and the
@@ -246,14 +248,14 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     if posthoc and (mode != "ms_eden" or prev_amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
     dev = x.device
-    pack = pack or posthoc  # the align pass reads the codes
+    codes_out = pack or posthoc  # the align pass reads the codes
     if posthoc:  # ``current`` receives max(c) from the first pass
         current = torch.zeros((), dtype=torch.float32, device=dev)
         amax = current
     else:
         current = _amax_impl(x, x_scales, src, transpose, in_scale, signs)
         amax = current if prev_amax is None else torch.where(prev_amax > 0, prev_amax.float(), current)
-    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
+    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack, codes_out)
     val = torch.empty(vshape, dtype=torch.bfloat16, device=dev)
     codes = torch.empty(cshape, dtype=torch.uint8, device=dev)
     scales = torch.empty(sshape, dtype=torch.uint8, device=dev)
@@ -286,14 +288,14 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 amax, u_arg, seed_arg, val, codes, scales, st, c, M, Kd, sm, sk, pc, stream,
                 T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None,
                 ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
-                TILE2D=mode == "rtn_2d", RAND=rand, WRITE_VALUES=values and not posthoc,
-                PACK=pack, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
+                TILE2D=mode == "rtn_2d", RAND=rand, WRITE_VALUES=values,
+                PACK=codes_out, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
                 num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             _launch(K.eden_align_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd // GROUP, g)),
                     codes, c, current, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
-                    WRITE_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP), BM=bm, G=g,
+                    SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP), BM=bm, G=g,
                     num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
 
@@ -301,8 +303,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
 def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False):
     M, Kd, *_ = _operand(x, src, transpose)
-    pack = pack or posthoc
-    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
+    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack, pack or posthoc)
     dev = x.device
     return (x.new_empty(vshape, dtype=torch.bfloat16), x.new_empty(cshape, dtype=torch.uint8),
             x.new_empty(sshape, dtype=torch.float8_e4m3fn),

@@ -13,9 +13,11 @@ tensor does not fit on chip. RTN, SR and 4/6 (and MS-EDEN with ``range_alignment
 :func:`amax_kernel` reads ``A`` (rotating it if asked) and ``atomic_max``-es ``max |A|`` into an
 FP32 scalar; :func:`quant_kernel` reads ``A`` again and writes the GEMM-ready values
 ``q · s_block`` in BF16 and, optionally, the packed storage form. MS-EDEN with post hoc range
-alignment (the default): :func:`quant_kernel` (``POSTHOC``) reads ``A`` once and writes the codes
-and the corrected scales, ``atomic_max``-ing the largest; the light :func:`eden_align_kernel`
-then writes the scales and the values.
+alignment (the default): :func:`quant_kernel` (``POSTHOC``) reads ``A`` once and writes the values
+(``q · s_block · s_tensor``: the tensor scale is a power of two, exact to fold), the codes and
+the corrected scales, ``atomic_max``-ing the largest; the light :func:`eden_align_kernel` then
+sets the tensor scale, rounds the scales to E4M3 and rewrites the rare groups whose values
+depended on the tensor scale.
 
 Bit-exactness rules (the reference is the contract):
 * every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs)
@@ -177,24 +179,40 @@ def _sr_e2m1(v, u):
 
 
 @triton.jit
-def _sr_e4m3(c, u):
-    """``stochastic_round_e4m3``: c >= 0 to one of its E4M3 neighbours. Returns (value, bits).
+def _sr_grid(c, u, E_MIN: tl.constexpr):
+    """c >= 0 to one of its neighbours on the grid of 4 significant bits whose binary exponents
+    are at least ``E_MIN``, ``P(up) = (c − down)/(up − down)`` with the uniform ``u``.
 
-    The neighbours come from c's binary exponent e (at least −6, the subnormals' spacing):
-    the E4M3 grid step there is ``2^(e−3)``, so ``down = floor(c / step) · step`` and
-    ``up = down + step`` (``down == up == c`` when c is representable), all exact; dividing by
-    the power-of-two step is a multiplication by its exact reciprocal. (Reading the neighbours
-    off the bit pattern ±1, as ``quant.format.e4m3_neighbours`` does, gave wrong neighbours on
-    the H200 with triton 3.6.)"""
-    c = tl.minimum(c, 448.0)
-    e = tl.maximum(((c.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    The neighbours come from c's binary exponent e (at least ``E_MIN``): the grid step there is
+    ``2^(e−3)``, so ``down = floor(c / step) · step`` and ``up = down + step`` (``down == up ==
+    c`` when c is on the grid), all exact; dividing by the power-of-two step is a multiplication
+    by its exact reciprocal. ``E_MIN = −6`` is E4M3 below 448 (its subnormals' spacing),
+    :func:`_sr_e4m3`; ``E_MIN = −123`` (the least with a normal FP32 step) is E4M3's mantissa
+    with FP32's exponent range, :func:`_sr_m3`. (Reading the neighbours off the bit pattern ±1,
+    as ``quant.format.e4m3_neighbours`` does, gave wrong neighbours on the H200 with triton
+    3.6.)"""
+    e = tl.maximum(((c.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, E_MIN)
     step = ((e + 124) << 23).to(tl.float32, bitcast=True)
     inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)
     down = tl.floor(c * inv_step) * step
     up = tl.where(down < c, down + step, down)
-    take_up = u < (c - down) * inv_step
-    val = tl.where(take_up, up, down)
+    return tl.where(u < (c - down) * inv_step, up, down)
+
+
+@triton.jit
+def _sr_e4m3(c, u):
+    """``stochastic_round_e4m3``: c >= 0 to one of its E4M3 neighbours. Returns (value, bits)."""
+    val = _sr_grid(tl.minimum(c, 448.0), u, -6)
     return val, _e4m3_bits(val)
+
+
+@triton.jit
+def _sr_m3(c, u):
+    """MS-EDEN's scale rounding before the tensor scale is known (post hoc range alignment):
+    ``sr(c / s_t) · s_t`` for any power of two ``s_t`` that puts ``c / s_t`` in E4M3's normal
+    range [2^-6, 448], when ``c ≥ 2^-123`` (then c's grid scaled by ``s_t`` is E4M3's grid at
+    ``c / s_t``). :func:`eden_align_kernel` fixes the groups where it is not."""
+    return _sr_grid(c, u, -123)
 
 
 @triton.jit
@@ -427,9 +445,10 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
 
     POSTHOC (MS-EDEN only): the first pass of post hoc range alignment
     (``quantize_ms_eden(posthoc=True)``): no amax is read; provisional scales
-    ``m3(amax_b / v)``, the codes, and the corrected scales ``c`` (FP32, ``M × K/16`` at
-    ``c_ptr``) are written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``;
-    :func:`eden_align_kernel` then writes the scales and values.
+    ``m3(amax_b / v)``; the codes, the corrected scales ``c`` (FP32, ``M × K/16`` at
+    ``c_ptr``) and the values ``q · sr_m3(c)`` (:func:`_sr_m3`: the tensor scale folded in) are
+    written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``; :func:`eden_align_kernel`
+    then sets the tensor scale, writes the E4M3 scales and fixes the values it must.
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -500,6 +519,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
             c = tl.where(raw > 0, c, 0.0)
             tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0))
+            if WRITE_VALUES:  # q · sr(c / s_t) · s_t, wherever the align pass finds it exact
+                s_out = _sr_m3(c, _group_uniforms(u_ptr, seed_ptr, stream, gm, g, gmask, K, RAND))
         else:
             ug = _group_uniforms(u_ptr, seed_ptr, stream, gm, g, gmask, K, RAND)
             s_out, bits_out = _sr_e4m3(c, ug)
@@ -516,12 +537,19 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
 
 @triton.jit
 def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
-                      stream, RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, EVEN: tl.constexpr,
-                      BM: tl.constexpr, G: tl.constexpr):
+                      stream, RAND: tl.constexpr, SCALES: tl.constexpr, FIX_VALUES: tl.constexpr,
+                      EVEN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     """Second pass of MS-EDEN's post hoc range alignment (``quantize_ms_eden(posthoc=True)``,
-    steps 5'–6') on a ``[BM, G]`` tile of groups: ``s_t`` from ``max(c)``, the stochastic E4M3
-    rounding of ``c / s_t`` (the same draws as the one-pass kernel), the scale bits and the BF16
-    values ``q · sr(c/s_t)`` from the packed codes. Reads 0.75 bytes per element."""
+    steps 5'–6') on a ``[BM, G]`` tile of groups: ``s_t`` from ``max(c)`` and, with SCALES, the
+    bits of the stochastic E4M3 rounding ``s = sr(c / s_t)`` (the same draws as the one-pass
+    kernel). Reads 0.25 bytes per element.
+
+    The first pass wrote the values ``q · sr_m3(c)`` (:func:`_sr_m3`). They are ``(q · s) ·
+    s_t`` wherever the two roundings use the same grid, i.e. unless ``c / s_t < 2^-6`` (below
+    E4M3's normal range: groups about 2^14 below the tensor's largest) or ``c < 2^-123``
+    (:func:`_sr_m3`'s least exponent); with FIX_VALUES the tiles holding such groups rewrite
+    their values ``(q · s) · s_t`` from the codes. (On one grid ``down``, ``up`` and ``P(up)``
+    all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the choice of ``s_t``.)"""
     pid_m, pid_g = tl.program_id(0), tl.program_id(1)
     gm = pid_m * BM + tl.arange(0, BM)[:, None]
     g = pid_g * G + tl.arange(0, G)[None, :]
@@ -529,19 +557,24 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     s_t = _pow2_scale_448(tl.load(cmax_ptr))
     if (pid_m == 0) & (pid_g == 0):
         tl.store(st_ptr, s_t)
-    c = tl.math.div_rn(tl.load(c_ptr + gm * (K // 16) + g, mask=gmask, other=0.0), s_t)
-    s, bits = _sr_e4m3(c, _group_uniforms(u_ptr, seed_ptr, stream, gm, g, gmask, K, RAND))
-    tl.store(sc_ptr + gm * (K // 16) + g, bits, mask=gmask)
-    if WRITE_VALUES:
-        gm3 = tl.expand_dims(gm, 2)
-        g3 = tl.expand_dims(g, 2)
-        j = tl.arange(0, 8)[None, None, :]
-        byte = tl.load(code_ptr + gm3 * (K // 2) + g3 * 8 + j, mask=tl.expand_dims(gmask, 2),
-                       other=0).to(tl.int32)
-        q = _e2m1_value(_byte_codes(byte, (BM, G, 16)))
-        k = g3 * 16 + tl.arange(0, 16)[None, None, :]
-        tl.store(val_ptr + gm3 * K + k, (q * tl.expand_dims(s, 2)).to(tl.bfloat16),
-                 mask=((gm3 < M) & (k < K)) | EVEN)
+    c = tl.load(c_ptr + gm * (K // 16) + g, mask=gmask, other=0.0)
+    c_t = tl.math.div_rn(c, s_t)
+    if SCALES:
+        _s, bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed_ptr, stream, gm, g, gmask, K, RAND))
+        tl.store(sc_ptr + gm * (K // 16) + g, bits, mask=gmask)
+    if FIX_VALUES:
+        fix = (c > 0) & ((c_t < 0.015625) | (c < 9.4039548065783e-38)) & gmask  # 2^-6, 2^-123
+        if tl.max(tl.max(fix.to(tl.int32), axis=1), axis=0) > 0:
+            s, _bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed_ptr, stream, gm, g, fix, K, RAND))
+            gm3 = tl.expand_dims(gm, 2)
+            g3 = tl.expand_dims(g, 2)
+            fix3 = tl.expand_dims(fix, 2)
+            j = tl.arange(0, 8)[None, None, :]
+            byte = tl.load(code_ptr + gm3 * (K // 2) + g3 * 8 + j, mask=fix3, other=0).to(tl.int32)
+            q = _e2m1_value(_byte_codes(byte, (BM, G, 16)))
+            k = g3 * 16 + tl.arange(0, 16)[None, None, :]
+            v = (q * tl.expand_dims(s, 2)) * s_t
+            tl.store(val_ptr + gm3 * K + k, v.to(tl.bfloat16), mask=fix3)
 
 
 @triton.jit
