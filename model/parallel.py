@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from quant import QuantLinear
 from quant import randomness as quant_randomness
 from quant.randomness import derive_seed
 
@@ -125,6 +126,6 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
     # inside a traced backward it would break the graph.
     quant_randomness.step_key(device)
     for m in model.modules():
-        if getattr(m, "delayed_amax", None) is not None:
-            m.delayed_amax.zero_()
+        if isinstance(m, QuantLinear):
+            m.reset_buffers()
     return model

@@ -150,7 +150,7 @@ def quantized_gemm(
     b: _Factor,
     gemm: Gemm,
     role: str,
-    layer: int,
+    layer: torch.Tensor,
     dtype: torch.dtype,
     delayed: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
@@ -158,22 +158,23 @@ def quantized_gemm(
     """``A · Bᵀ`` under one GEMM's quantization. Returns the product (computed in ``dtype``,
     returned in ``out_dtype``, default ``dtype``) and the quantized operands.
 
-    Draws (:mod:`quant.randomness`): on the kernel path with Philox draws (the default), the
-    signs and each operand's uniforms come from their own stream under the step key; otherwise
-    from the (layer, role) generator in the order rotation signs, A's uniforms, B's.
+    Draws (:mod:`quant.randomness`; ``layer`` is the layer's :func:`~quant.randomness.layer_ids`):
+    on the kernel path with Philox draws (the default), the signs and each operand's uniforms
+    come from their own stream under the layer key; otherwise from the (layer, role) generator
+    in the order rotation signs, A's uniforms, B's.
     """
     device = a.values.device
     rng_a = rng_b = signs = None
     if gemm.stochastic and backend.get_draws() == "philox" and backend.use_triton(a.values):
         from .kernels import ops
 
-        key = randomness.step_key(device)
-        rng_a = PhiloxStream(key, randomness.stream(layer, role, "a"))
-        rng_b = PhiloxStream(key, randomness.stream(layer, role, "b"))
+        key = randomness.layer_key(layer)
+        rng_a = PhiloxStream(key, randomness.stream(role, "a"))
+        rng_b = PhiloxStream(key, randomness.stream(role, "b"))
         if gemm.rotation:
-            signs = ops.philox_signs(key, gemm.rotation, randomness.stream(layer, role, "signs"))
+            signs = ops.philox_signs(key, gemm.rotation, randomness.stream(role, "signs"))
     elif gemm.stochastic:
-        rng_a = rng_b = randomness.generator(layer, role, device)
+        rng_a = rng_b = randomness.generator(int(layer[0]), role, device)
         signs = random_signs(gemm.rotation, rng_a, device) if gemm.rotation else None
     pack = role == "forward"  # the forward's quantized operands are what the layer may save
     fa, qa = _quantize(a, gemm.a, signs, rng_a, gemm.rotation, delayed, _AMAX_SLOT[role, "a"], pack)
@@ -206,7 +207,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, scheme: Scheme, layer: int, delayed_amax):  # type: ignore[override]
+    def forward(ctx, x, weight, scheme: Scheme, layer: torch.Tensor, delayed_amax):  # type: ignore[override]
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
@@ -218,19 +219,19 @@ class QuantizedLinearFunction(torch.autograd.Function):
             packed["x"] = xq.pack()
         if scheme.saves_quantized_w and wq is not None:
             packed["w"] = wq.pack()
-        ctx.scheme, ctx.layer, ctx.dtype = scheme, layer, dtype
+        ctx.scheme, ctx.dtype = scheme, dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.delayed_amax = delayed_amax
         ctx.packed_meta = {k: (p.dim, p.tile) for k, p in packed.items()}
         saved_x = x2 if "x" not in packed else None
         flat = [t for p in packed.values() for t in (p.data, p.scales, p.tensor_scale)]
-        ctx.save_for_backward(saved_x, weight, *flat)
+        ctx.save_for_backward(layer, saved_x, weight, *flat)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         scheme: Scheme = ctx.scheme
-        x2, weight, *flat = ctx.saved_tensors
+        layer, x2, weight, *flat = ctx.saved_tensors
         packed = {
             k: PackedNVFP4(*flat[3 * i: 3 * i + 3], *meta)
             for i, (k, meta) in enumerate(ctx.packed_meta.items())
@@ -242,13 +243,13 @@ class QuantizedLinearFunction(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 dx, _, _ = quantized_gemm(
-                    _Factor(e), w_src.T, scheme.dgrad, "dgrad", ctx.layer, ctx.dtype,
+                    _Factor(e), w_src.T, scheme.dgrad, "dgrad", layer, ctx.dtype,
                     ctx.delayed_amax, ctx.x_dtype,
                 )
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 dw, _, _ = quantized_gemm(
-                    _Factor(e.t()), x_src.T, scheme.wgrad, "wgrad", ctx.layer, ctx.dtype,
+                    _Factor(e.t()), x_src.T, scheme.wgrad, "wgrad", layer, ctx.dtype,
                     ctx.delayed_amax, weight.dtype,
                 )
         return dx, dw, None, None, None
@@ -258,10 +259,14 @@ def quantized_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     scheme: Scheme,
-    layer: int = 0,
+    layer: int | torch.Tensor = 0,
     delayed_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Functional form of :class:`QuantizedLinearFunction` (no bias)."""
+    """Functional form of :class:`QuantizedLinearFunction` (no bias). ``layer``: the layer
+    index, or its :func:`~quant.randomness.layer_ids` on ``x``'s device (what
+    :class:`QuantLinear` passes: data, so compiled blocks don't specialise on it)."""
+    if not isinstance(layer, torch.Tensor):
+        layer = randomness.cached_layer_ids(layer, x.device)
     return QuantizedLinearFunction.apply(x, weight, scheme, layer, delayed_amax)
 
 
@@ -288,11 +293,16 @@ def check_linear_shape(name: str, in_features: int, out_features: int, scheme: S
             )
 
 
+def token_multiple(scheme: Scheme) -> int:
+    """What the token count must divide by: wgrad groups (and rotates) along tokens (1: any)."""
+    if not (scheme.wgrad.quantized or scheme.wgrad.rotation):
+        return 1
+    return max(GROUP, scheme.wgrad.rotation or 1)
+
+
 def check_token_count(name: str, tokens: int, scheme: Scheme) -> None:
     """wgrad groups (and rotates) along tokens: the token count must divide accordingly."""
-    if not (scheme.wgrad.quantized or scheme.wgrad.rotation):
-        return
-    size = max(GROUP, scheme.wgrad.rotation or 1)
+    size = token_multiple(scheme)
     if tokens % size:
         raise ValueError(
             f"layer {name!r}: scheme {scheme.name!r} quantizes the weight gradient along tokens, "
@@ -320,14 +330,24 @@ class QuantLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         check_linear_shape(name, in_features, out_features, scheme)
         self.scheme, self.layer_index, self.layer_name = scheme, layer_index, name
+        # The layer's identity for the random draws, as data (quant.randomness.layer_ids).
+        self.register_buffer("layer_ids", randomness.layer_ids(layer_index, device), persistent=False)
         if scheme.delayed_amax:
             self.register_buffer("delayed_amax", torch.zeros(6, device=device))
         else:
             self.delayed_amax = None
 
+    def reset_buffers(self) -> None:
+        """Refill the buffers (after ``to_empty``): the layer ids and a zero delayed amax."""
+        self.layer_ids.copy_(randomness.layer_ids(self.layer_index))
+        if self.delayed_amax is not None:
+            self.delayed_amax.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_token_count(self.layer_name, x.numel() // x.shape[-1], self.scheme)
-        y = quantized_linear(x, self.weight, self.scheme, self.layer_index, self.delayed_amax)
+        tokens = x.numel() // x.shape[-1]
+        if tokens % token_multiple(self.scheme):  # the name only here: compiled blocks don't guard it
+            check_token_count(self.layer_name, tokens, self.scheme)
+        y = quantized_linear(x, self.weight, self.scheme, self.layer_ids, self.delayed_amax)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -367,6 +387,7 @@ def quantize_model(
         q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme=scheme,
                         layer_index=index, name=name, device="meta")
         q.weight, q.bias = lin.weight, lin.bias
+        q.layer_ids = randomness.layer_ids(index, lin.weight.device)
         if q.delayed_amax is not None:
             q.delayed_amax = torch.zeros(6, device=lin.weight.device)
         parent_name, _, attr = name.rpartition(".")

@@ -12,11 +12,15 @@ Two generators implement it:
 
 * the reference path draws from a fresh ``torch.Generator`` per (layer, role), seeded with a
   hash of all six (:func:`generator`);
-* the kernels draw Philox numbers keyed by the *step key* ``hash(seed, step, micro-step, rank)``,
-  which lives in a one-element device tensor per device (:func:`step_key`; refilled, without a
-  host sync, whenever the counters change), with the stream number :func:`stream` of (layer,
-  role, operand) as the second counter word. Nothing is created per GEMM and the draws are read
-  on the device, so a captured CUDA graph of a step replays with the next step's draws.
+* the kernels draw Philox numbers keyed by the *layer key* ``step_key XOR layer_tag``
+  (:func:`layer_key`): the step key ``hash(seed, step, micro-step, rank)`` lives in a
+  one-element device tensor per device (:func:`step_key`; refilled, without a host sync,
+  whenever the counters change), the layer's tag ``hash(layer)`` in a buffer of its layer
+  (:func:`layer_ids`), and the stream number :func:`stream` of (role, operand) is the second
+  counter word. Nothing is created per GEMM and the draws are read on the device, so a captured
+  CUDA graph of a step replays with the next step's draws; and the layer index reaches the
+  kernels as data, so ``torch.compile`` traces every block as the same graph (an integer would
+  be specialised on, one recompilation per layer).
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def rng_state() -> QuantRNGState:
 
 
 _KEYS: dict[torch.device, torch.Tensor] = {}
-# Stream numbers: 4 per (layer, role): the GEMM's A operand, its B operand, its rotation signs.
+# Stream numbers: 4 per role: the GEMM's A operand, its B operand, its rotation signs.
 OPERAND_STREAMS = {"a": 0, "b": 1, "signs": 2}
 
 
@@ -79,10 +83,20 @@ def _refresh_keys() -> None:
         key.fill_(value)
 
 
+def _indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index (``cuda`` → ``cuda:0``), so that ``materialize(model, "cuda")``
+    and a tensor on ``cuda:0`` share one key: a key first created inside a compiled region
+    breaks its graph."""
+    device = torch.device(device)
+    if device.index is None and device.type != "cpu" and device.type != "meta":
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+    return device
+
+
 def step_key(device: torch.device | str) -> torch.Tensor:
     """The kernels' Philox key for the current (seed, step, micro-step, rank) on ``device``: an
     int64 tensor of one element, the same tensor for the whole run (refilled in place)."""
-    device = torch.device(device)
+    device = _indexed(device)
     key = _KEYS.get(device)
     if key is None:
         key = _KEYS[device] = torch.full((1,), _step_key_value(), dtype=torch.int64, device=device)
@@ -97,10 +111,34 @@ class PhiloxStream:
     stream: int
 
 
-def stream(layer: int, role: str, operand: str) -> int:
+def stream(role: str, operand: str) -> int:
     """The kernels' Philox stream of one operand's draws (``"a"``, ``"b"``) or of the rotation
-    signs (``"signs"``) of one GEMM of one layer."""
-    return (layer * len(ROLES) + ROLES[role]) * 4 + OPERAND_STREAMS[operand]
+    signs (``"signs"``) of one GEMM (the layer is in the key, :func:`layer_key`)."""
+    return ROLES[role] * 4 + OPERAND_STREAMS[operand]
+
+
+def layer_ids(layer: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """A layer's identity as data: int64 ``[layer, tag]``, ``tag = hash(layer)`` (63 bits)."""
+    return torch.tensor([layer, derive_seed(layer)], dtype=torch.int64, device=device)
+
+
+_LAYER_IDS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def cached_layer_ids(layer: int, device: torch.device | str) -> torch.Tensor:
+    """:func:`layer_ids` made once per (layer, device) and reused (so that a call inside a CUDA
+    graph capture copies nothing from the host)."""
+    device = _indexed(device)
+    ids = _LAYER_IDS.get((layer, device))
+    if ids is None:
+        ids = _LAYER_IDS[layer, device] = layer_ids(layer, device)
+    return ids
+
+
+def layer_key(ids: torch.Tensor) -> torch.Tensor:
+    """The kernels' Philox key of one layer (:func:`layer_ids`) in the current (seed, step,
+    micro-step, rank): ``step_key XOR tag``, computed on the device (one element)."""
+    return torch.bitwise_xor(step_key(ids.device), ids[1:])
 
 
 def set_quant_rng(seed: int | None = None, rank: int | None = None) -> None:

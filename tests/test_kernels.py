@@ -580,3 +580,34 @@ def test_function_compiles_as_one_graph(name):
     compiled = run(torch.compile(lin, backend="aot_eager", fullgraph=True))
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+def test_compiled_blocks_compile_once():
+    """Per-block ``torch.compile`` (``model.parallel``) traces every block of a quantized model
+    as one graph, without a graph break, once: the layer index reaches the Function as data
+    (``QuantLinear.layer_ids``), so dynamo has no integer to specialise on. (An int layer index
+    recompiled each block, and past the recompile limit of 8 the remaining blocks of a 32-layer
+    model ran uncompiled; a step key made for ``cuda`` but looked up for ``cuda:0`` was created
+    inside the Function and broke every block's graph.)"""
+    from torch._dynamo.utils import counters
+    import yaml
+    from pathlib import Path
+
+    from model import build_model
+    from model.parallel import materialize, parallelize
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml").read_text())
+    cfg["n_layer"] = 3
+    model = build_model(cfg, device="meta")
+    quant.quantize_model(model, "quartet2")
+    parallelize(model, None, activation_checkpointing="none", compile=True)
+    materialize(model, torch.device(DEV), seed=0)
+    x = torch.randint(0, cfg["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(90)).to(DEV)
+    torch._dynamo.reset()
+    counters.clear()
+    with backend.use_backend("triton"), torch._dynamo.config.patch(error_on_recompile=True):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert not counters["graph_break"], dict(counters["graph_break"])
