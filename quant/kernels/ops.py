@@ -214,12 +214,13 @@ def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool, codes: boo
 
 
 TRANSPOSE_COLS = not _INTERPRET and os.environ.get("NVFP4_TRANSPOSE_COLS", "1") != "0"
-"""On the GPU (``NVFP4_TRANSPOSE_COLS=0`` turns it off), quantize an operand read across memory rows (``A = Xᵀ``, or a transposed packed
-tensor) from a contiguous ``A`` made by :func:`transpose_kernel` (one coalesced read and write)
-rather than in the quantization kernels' column path. Both give the same bits (tests run both);
-with triton 3.6 on the H200 the column path's tile transpose leaves the group reductions and the
-Hadamard butterfly spread across threads, which made MS-EDEN 2.4× slower than transposing first
-(docs/performance.md). The interpreter uses the column path."""
+"""On the GPU (``NVFP4_TRANSPOSE_COLS=0`` turns it off), quantize an operand read across memory
+rows (``A = Xᵀ``, or a transposed packed tensor) from a contiguous ``A`` made by
+:func:`transpose_kernel` (one coalesced read and write) rather than in the quantization kernels'
+column path. Both give the same bits (tests run both). With triton 3.6 on the H200 the column
+path's tile transpose costs more than the pass: over the ten kernels of
+``scripts/bench_kernels.py`` at their best column tiles, 4742 µs against 2975 µs transposing
+first (session 5; docs/performance.md). The interpreter uses the column path."""
 _TRANSPOSE_TILE = (64, 64, 4)
 
 
@@ -295,8 +296,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             _launch(K.eden_align_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd // GROUP, g)),
                     codes, c, current, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
-                    SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP), BM=bm, G=g,
-                    num_warps=nw)
+                    SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
+                    BM=bm, G=g, num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
 
 
