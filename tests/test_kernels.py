@@ -401,13 +401,13 @@ def test_backend_choice(monkeypatch):
         backend.auto_families()
 
 
-def _run_linear(scheme, x, w, dy, autocast):
+def _run_linear(scheme, x, w, dy, autocast, layer=2):
     x = x.clone().requires_grad_(True)
     w = w.clone().requires_grad_(True)
     delayed = torch.zeros(6, device=x.device) if scheme.delayed_amax else None
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
         with randomness.quant_step(3, 1):
-            y = quant.quantized_linear(x, w, scheme, 2, delayed)
+            y = quant.quantized_linear(x, w, scheme, layer, delayed)
             y.backward(dy.to(y.dtype))
     return y.detach(), x.grad, w.grad
 
@@ -460,7 +460,9 @@ def test_philox_stream_on_both_paths():
 
 
 def test_function_philox_draws_deterministic():
-    """The production draw mode: a pure function of (seed, step, micro-step, layer, role)."""
+    """The production draw mode: a pure function of (seed, step, micro-step, layer, role); the
+    layer given as an index or as the ``layer_ids`` a ``QuantLinear`` holds draws the same, and
+    another layer draws otherwise (the layer is in the Philox key)."""
     scheme = quant.get_scheme("quartet2")
     g = torch.Generator().manual_seed(21)
     x = torch.randn(128, 128, generator=g, device="cpu").to(DEV)
@@ -468,9 +470,12 @@ def test_function_philox_draws_deterministic():
     dy = torch.randn(128, 128, generator=g).to(DEV)
     with backend.use_backend("triton", draws="philox"):
         a = _run_linear(scheme, x, w, dy, False)
-        b = _run_linear(scheme, x, w, dy, False)
+        b = _run_linear(scheme, x, w, dy, False, layer=randomness.layer_ids(2, DEV))
+        other = _run_linear(scheme, x, w, dy, False, layer=5)
     for r, o in zip(a, b):
         assert torch.equal(r, o)
+    assert torch.equal(a[0], other[0])  # the forward (RTN + 4/6) draws nothing
+    assert not torch.equal(a[1], other[1]) and not torch.equal(a[2], other[2])
     with backend.use_backend("reference"):
         ref = _run_linear(scheme, x.cpu(), w.cpu(), dy.cpu(), False)
     if CUDA:  # forward is deterministic; the GEMM's accumulation order differs across devices
