@@ -49,8 +49,10 @@ def ptxas_path() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
-    """Compile one kernel variant for sm_90 and read its resource usage."""
+def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "philox") -> dict:
+    """Compile one kernel variant for sm_90 and read its resource usage. ``draws``: the Philox
+    path (``RAND=1``, an int64 key) or explicit uniforms (``RAND=0``, which the launcher passes
+    an FP32 placeholder for the key: a build the GPU tests need, and session 3 broke)."""
     mode, rot, four_six, posthoc = KERNELS[name]
     bm, bk, warps = tile
     t_t, t_b = ops._targets(mode, four_six)
@@ -58,12 +60,14 @@ def report(name: str, tile: tuple[int, int, int], cols: bool) -> dict:
     consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, COLS=cols, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
-                  TILE2D=mode == "rtn_2d", RAND=1, WRITE_VALUES=True, PACK=True, POSTHOC=posthoc,
+                  TILE2D=mode == "rtn_2d", RAND=int(draws == "philox"), WRITE_VALUES=True, PACK=True,
+                  POSTHOC=posthoc,
                   EVEN=True, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel
     index = {a: i for i, a in enumerate(fn.arg_names)}
-    signature = {a: "constexpr" if a in consts else POINTERS.get(a, "i32") for a in fn.arg_names}
+    pointers = dict(POINTERS, **({} if draws == "philox" else {"seed_ptr": "*fp32"}))
+    signature = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
     aligned = [a for a in fn.arg_names if signature[a].startswith("*")] + [
         a for a in ("M", "K", "P_C", "stride_k" if cols else "stride_m") if signature[a] == "i32"]
     src = ASTSource(fn=fn, signature=signature, constexprs={(index[k],): v for k, v in consts.items()},
@@ -102,6 +106,8 @@ def main() -> None:
     p.add_argument("--tiles", nargs="+", default=None, metavar="BMxBKxWARPS",
                    help="tiles to compile (default: the ones quant.kernels.ops uses per layout)")
     p.add_argument("--dims", nargs="+", default=["rows", "cols"], choices=["rows", "cols"])
+    p.add_argument("--draws", default="philox", choices=["philox", "explicit"],
+                   help="the stochastic kernels' draws: Philox (training) or explicit uniforms (tests)")
     a = p.parse_args()
     if not ptxas_path().exists():
         sys.exit(f"no ptxas at {ptxas_path()}: this triton wheel has no NVIDIA backend tools")
@@ -115,7 +121,7 @@ def main() -> None:
             else:
                 tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols", KERNELS[name][0] == "rtn_2d")]]
             for tile in tiles:
-                r = report(name, tile, dim == "cols")
+                r = report(name, tile, dim == "cols", a.draws)
                 if rows is None:
                     rows = ["| kernel | dim | tile (BM, BK, warps) | " + " | ".join(r) + " |",
                             "|---|---|---|" + "---|" * len(r)]

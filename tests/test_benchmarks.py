@@ -41,3 +41,19 @@ def test_kernel_report_compiles_for_sm90_offline():
         # these ran at 50-200 SASS instructions per element; counting per thread (16 elements)
         # instead of per element would exceed 500.
         assert 10 < per_element < 500, per_element
+
+
+def test_kernel_report_compiles_the_explicit_draw_path_offline():
+    """The kernels' explicit-uniform path (``RAND=0``: what the GPU tests run, with an FP32
+    placeholder for the Philox key) builds for sm_90 without a GPU. (An early ``return`` in a
+    constexpr branch once compiled Philox on that placeholder and failed only on the H200.)"""
+    import pytest
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel ships no ptxas")
+    r = subprocess.run([sys.executable, "scripts/kernel_report.py", "--kernels", "sr", "rht128_eden_posthoc",
+                        "--dims", "rows", "--draws", "explicit"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sum(line.startswith(("| sr |", "| rht128_eden_posthoc |")) for line in r.stdout.splitlines()) == 2
