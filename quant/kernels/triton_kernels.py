@@ -156,12 +156,16 @@ def _rtn_e2m1(v):
     lies in M's binade, whose spacing is E2M1's there (½, 1, 2), so ``(a + M) − M`` is the
     nearest grid point, ties to the even multiple (M is an even multiple). Ties land as the
     reference's: 0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4, 5 → 4. The code
-    of a magnitude ``m ≥ 1`` is its FP32 bits ``>> 22`` minus 252; 0.5 is code 1."""
+    is read off ``a + M`` itself (below)."""
     a = tl.minimum(tl.abs(v), 6.0)
-    big = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
-    mag = (a + big) - big
-    code = tl.where(mag >= 1.0, (mag.to(tl.int32, bitcast=True) >> 22) - 252, (mag > 0).to(tl.int32))
-    return _with_sign(mag, code, v)
+    lo2 = a < 2.0
+    lo4 = a < 4.0
+    big = tl.where(lo2, 6291456.0, tl.where(lo4, 12582912.0, 25165824.0))
+    t = a + big
+    # t = M + n · spacing is M's bit pattern plus n, the grid index (0…4, 2…4, 2…3 in the
+    # three binades), and the code is n + 0, 2, 4, the offset being M's bits >> 22 minus 299.
+    mb = big.to(tl.int32, bitcast=True)
+    return _with_sign(t - big, (t.to(tl.int32, bitcast=True) - mb - 299) + (mb >> 22), v)
 
 
 @triton.jit
@@ -258,11 +262,13 @@ def _butterfly(v, AX: tl.constexpr, SHAPE: tl.constexpr, LO):
     (``(a + b) − a = b``, exact modulo 2^32: one exchange between lanes when the pair spans two,
     none in registers), and computes ``p + v`` (the lower, a + b) or ``p + (−v)`` (the upper,
     a − b): IEEE defines ``a − b`` as ``a + (−b)``, zeros' signs included, and addition is
-    commutative, so both are the reference's operations."""
+    commutative, so both are the reference's operations. Both are one ``fma(v, ±1, p)``: the
+    product is exact, so the FMA rounds once, as the addition (one instruction where the
+    pair spans two lanes, instead of a select and an add)."""
     y = tl.reshape(v, SHAPE)
     bits = y.to(tl.int32, bitcast=True)
     p = (tl.sum(bits, axis=AX, keep_dims=True) - bits).to(tl.int32).to(tl.float32, bitcast=True)
-    return p + tl.where(LO, y, y * -1.0)
+    return tl.math.fma(y, tl.where(LO, 1.0, -1.0), p)
 
 
 @triton.jit
@@ -365,8 +371,11 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, st
         # signs): a thread then holds 16 consecutive signs, and triton lays the whole rotation
         # out with each 16-group in one thread's registers, so only the butterfly stages
         # across groups shuffle between lanes.
+        # x · σ as a flip of the sign bit where σ = −1 (int8 −1 has it set): exact, as the
+        # reference's multiply, at one logic op per element.
         sg = tl.load(signs_ptr + (m - m) + (k % (16 * R)))
-        x = _fwht(x * sg.to(tl.float32), BM, CH, R, LOG_R) * INV_SQRT
+        x = (x.to(tl.int32, bitcast=True) ^ (sg.to(tl.int32) & -2147483648)).to(tl.float32, bitcast=True)
+        x = _fwht(x, BM, CH, R, LOG_R) * INV_SQRT
     return x
 
 
