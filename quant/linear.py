@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,9 @@ def _quantize(
     return _Factor.of(q), q
 
 
+_INDUCTOR_EPILOGUE = os.environ.get('NVFP4_INDUCTOR_EPILOGUE', '1') != '0'
+
+
 def _product(a: _Factor, b: _Factor, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``(a.values · b.valuesᵀ) · (a.scale · b.scale)``: the product in ``dtype``, times the FP32
     tensor scales in FP32 and rounded to ``dtype`` (NVFP4 hardware's epilogue), returned in
@@ -135,10 +139,11 @@ def _product(a: _Factor, b: _Factor, dtype: torch.dtype, out_dtype: torch.dtype 
     out = F.linear(a.values.to(dtype), b.values.to(dtype))
     if a.scale is None and b.scale is None:
         return out.to(out_dtype)
-    if backend.use_triton(out):
+    compiling = torch.compiler.is_compiling()
+    if backend.use_triton(out) and not (compiling and _INDUCTOR_EPILOGUE):
         from .kernels import ops
 
-        fn = ops.scale_product if torch.compiler.is_compiling() else ops.scale_product_impl
+        fn = ops.scale_product if compiling else ops.scale_product_impl
         return fn(out, a.scale, b.scale, out_dtype)
     one = torch.ones((), device=out.device)
     scale = (a.scale if a.scale is not None else one) * (b.scale if b.scale is not None else one)

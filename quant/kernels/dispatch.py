@@ -13,11 +13,16 @@ kernel) only where a GEMM consumes it without re-quantization.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..format import GROUP, PackedNVFP4
 from ..randomness import PhiloxStream
 from . import ops
+
+
+_INDUCTOR_AMAX = os.environ.get("NVFP4_INDUCTOR_AMAX", "1") != "0"
 
 
 class PackedFactor:
@@ -93,11 +98,19 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
     delayed = None if op.posthoc else delayed  # post hoc alignment has no amax to delay
     prev = None if delayed is None else delayed[slot].clone()
     # Eager calls skip the custom-op dispatcher (its overhead is per call); compiled graphs need
-    # the op, which torch.compile sees as opaque through its fake implementation.
-    fn = ops.quantize_operand if torch.compiler.is_compiling() else ops._quantize_impl
+    # the op, which torch.compile sees as opaque through its fake implementation. There the
+    # amax of a dense operand is left to inductor, which fuses the reduction into the kernel
+    # that produced the operand (an RMSNorm, SwiGLU, the weight's cast) instead of reading it
+    # once more (max is exact in any order, so the bits are the amax pass's).
+    compiling = torch.compiler.is_compiling()
+    fn = ops.quantize_operand if compiling else ops._quantize_impl
+    amax = None
+    if (compiling and _INDUCTOR_AMAX and kind == ops.SRC_DENSE and signs is None and in_scale is None
+            and not op.posthoc):
+        amax = x.abs().amax()
     values, codes, scales, st, current = fn(
         x, x_scales, kind, transpose, in_scale, signs, prev, uniforms, seed, stream, op.quantizer,
-        op.four_over_six, True, pack, op.posthoc)
+        op.four_over_six, True, pack, op.posthoc, amax)
     if delayed is not None:
         delayed[slot] = current
     q = KernelQuantized(codes, scales, st, "16x16" if op.quantizer == "rtn_2d" else "1x16") if pack else None

@@ -242,11 +242,11 @@ def _rows_operand(x, x_scales, src, transpose):
 
 
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                   stream, mode, four_over_six, values, pack, posthoc=False):
+                   stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
     x, x_scales, src, transpose, (M, Kd, sm, sk, pc, pt) = _rows_operand(x, x_scales, src, transpose)
     rot, inv, signs = _rotation(signs)
     _check(M, Kd, mode, rot)
-    if posthoc and (mode != "ms_eden" or prev_amax is not None):
+    if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
     dev = x.device
     codes_out = pack or posthoc  # the align pass reads the codes
@@ -254,7 +254,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         current = torch.zeros((), dtype=torch.float32, device=dev)
         amax = current
     else:
-        current = _amax_impl(x, x_scales, src, transpose, in_scale, signs)
+        current = (amax.to(torch.float32, copy=True) if amax is not None  # an output: no alias
+                   else _amax_impl(x, x_scales, src, transpose, in_scale, signs))
         amax = current if prev_amax is None else torch.where(prev_amax > 0, prev_amax.float(), current)
     vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack, codes_out)
     val = torch.empty(vshape, dtype=torch.bfloat16, device=dev)
@@ -302,7 +303,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
 
 
 def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                   stream, mode, four_over_six, values, pack, posthoc=False):
+                   stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
     M, Kd, *_ = _operand(x, src, transpose)
     vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack, pack or posthoc)
     dev = x.device
@@ -318,21 +319,23 @@ def quantize_operand(
     x: Tensor, x_scales: Optional[Tensor], src: int, transpose: bool, in_scale: Optional[Tensor],
     signs: Optional[Tensor], prev_amax: Optional[Tensor], uniforms: Optional[Tensor],
     seed: Optional[Tensor], stream: int, mode: str, four_over_six: bool, values: bool, pack: bool,
-    posthoc: bool = False,
+    posthoc: bool = False, amax: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Any quantizer on any operand: dense (``src=0``, ``x`` float, times ``in_scale``) or packed
     NVFP4 (``src=1`` 1×16 / ``2`` 16×16: ``x`` uint8 codes, ``x_scales`` uint8 E4M3 bits,
-    ``in_scale`` its tensor scale), optionally rotated by ``signs``. Returns
+    ``in_scale`` its tensor scale), optionally rotated by ``signs``. ``amax``: the operand's
+    ``max |A|`` when the caller has it (then no amax pass runs; under ``torch.compile`` inductor
+    computes it, fused with the kernel that produced ``x``). Returns
     ``(values, codes, scales, tensor_scale, amax)`` (see the module docstring)."""
     return _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                          stream, mode, four_over_six, values, pack, posthoc)
+                          stream, mode, four_over_six, values, pack, posthoc, amax)
 
 
 @quantize_operand.register_fake
 def _(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, stream, mode,
-      four_over_six, values, pack, posthoc=False):
+      four_over_six, values, pack, posthoc=False, amax=None):
     return _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                          stream, mode, four_over_six, values, pack, posthoc)
+                          stream, mode, four_over_six, values, pack, posthoc, amax)
 
 
 # --------------------------------------------------------------------------- named quantizers

@@ -118,15 +118,26 @@ def _packed_scales(xs_ptr, row, group, mask, P_C, SRC: tl.constexpr):
 
 
 @triton.jit
-def _group_uniforms(u_ptr, seed_ptr, stream, gm, g, mask, K, RAND: tl.constexpr):
-    """MS-EDEN's draw of group ``g`` of row ``gm``: explicit (RAND 0, ``M × K/16``) or Philox.
+def _group_uniforms(u_ptr, seed, stream, gm, g, mask, K, RAND: tl.constexpr):
+    """MS-EDEN's draw of group ``g`` of row ``gm``: explicit (RAND 0, ``M × K/16``) or Philox
+    under the key ``seed`` (:func:`_load_key`).
     (One return after an if/else: triton's compiler also compiles the statements after a
     return inside a constexpr branch, and Philox on RAND 0's placeholder FP32 seed fails.)"""
     if RAND == 0:
         u = tl.load(u_ptr + gm * (K // 16) + g, mask=mask, other=0.0)
     else:
-        u = _philox_uniform(tl.load(seed_ptr), stream, gm * (K // 16) + g)
+        u = _philox_uniform(seed, stream, gm * (K // 16) + g)
     return u
+
+
+@triton.jit
+def _load_key(seed_ptr, RAND: tl.constexpr):
+    """The Philox key (RAND 1), loaded once at the start of a kernel so that its latency hides
+    behind the tile's work (RAND 0 passes a placeholder pointer: 0)."""
+    seed = 0
+    if RAND == 1:
+        seed = tl.load(seed_ptr)
+    return seed
 
 
 @triton.jit
@@ -380,6 +391,17 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, st
 
 
 @triton.jit
+def _atomic_max_nonneg(ptr, v):
+    """``*ptr = max(*ptr, v)`` for FP32 ``v ≥ 0`` (and ``*ptr ≥ 0``): one relaxed integer
+    ``atomic_max`` on the bit patterns, which order as the values do. (triton's FP32
+    ``atomic_max`` is two atomics, each behind a GPU-wide memory fence by its default
+    acquire-release semantics; the maximum is only read by a later kernel, after the launch
+    boundary, so no ordering is needed.)"""
+    tl.atomic_max(ptr.to(tl.pointer_type(tl.int32), bitcast=True), v.to(tl.int32, bitcast=True),
+                  sem="relaxed")
+
+
+@triton.jit
 def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, stride_k, P_C,
                 SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                 ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
@@ -389,7 +411,7 @@ def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, s
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, BM, CH, R, LOG_R)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0))
+    _atomic_max_nonneg(amax_ptr, tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0))
 
 
 @triton.jit
@@ -461,6 +483,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
+    seed = _load_key(seed_ptr, RAND)
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, BM, CH, R, LOG_R)
@@ -483,7 +506,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         else:
             k4 = (pid_k * (CH * R * 4) + tl.arange(0, CH)[None, :, None, None] * (R * 4)
                   + tl.arange(0, R)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])
-            u = _philox_uniforms(tl.load(seed_ptr), stream, m * (K // 4) + k4, (BM, CH, R, 16))
+            u = _philox_uniforms(seed, stream, m * (K // 4) + k4, (BM, CH, R, 16))
 
     if POSTHOC:
         s_out = tl.where(raw > 0, _round_mantissa3(tl.maximum(raw, 1.1754943508222875e-38)), 1.0)
@@ -527,11 +550,11 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         if POSTHOC:
             c = tl.where(raw > 0, c, 0.0)
             tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
-            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0))
+            _atomic_max_nonneg(amax_ptr, tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0))
             if WRITE_VALUES:  # q · sr(c / s_t) · s_t, wherever the align pass finds it exact
-                s_out = _sr_m3(c, _group_uniforms(u_ptr, seed_ptr, stream, gm, g, gmask, K, RAND))
+                s_out = _sr_m3(c, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
         else:
-            ug = _group_uniforms(u_ptr, seed_ptr, stream, gm, g, gmask, K, RAND)
+            ug = _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND)
             s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
@@ -563,18 +586,19 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     gm = pid_m * BM + tl.arange(0, BM)[:, None]
     g = pid_g * G + tl.arange(0, G)[None, :]
     gmask = ((gm < M) & (g < K // 16)) | EVEN
+    seed = _load_key(seed_ptr, RAND)
     s_t = _pow2_scale_448(tl.load(cmax_ptr))
     if (pid_m == 0) & (pid_g == 0):
         tl.store(st_ptr, s_t)
     c = tl.load(c_ptr + gm * (K // 16) + g, mask=gmask, other=0.0)
     c_t = tl.math.div_rn(c, s_t)
     if SCALES:
-        _s, bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed_ptr, stream, gm, g, gmask, K, RAND))
+        _s, bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
         tl.store(sc_ptr + gm * (K // 16) + g, bits, mask=gmask)
     if FIX_VALUES:
         fix = (c > 0) & ((c_t < 0.015625) | (c < 9.4039548065783e-38)) & gmask  # 2^-6, 2^-123
         if tl.max(tl.max(fix.to(tl.int32), axis=1), axis=0) > 0:
-            s, _bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed_ptr, stream, gm, g, fix, K, RAND))
+            s, _bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, fix, K, RAND))
             gm3 = tl.expand_dims(gm, 2)
             g3 = tl.expand_dims(g, 2)
             fix3 = tl.expand_dims(fix, 2)
