@@ -64,20 +64,25 @@ def _e4m3_value(bits):
 
 
 @triton.jit
-def _div_groups(x, d):
+def _tiny_factor(d):
+    """2^64 for the per-group divisors below 2^-64, else 1 (:func:`_div_groups`)."""
+    return tl.where(d < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+
+
+@triton.jit
+def _div_groups(xf, d, f):
     """``x / d`` for a ``[BM, CH, R, 16]`` tile and per-group divisors ``d`` ``[BM, CH, R]``,
-    rounded as one IEEE division (``tl.math.div_rn``) at a third of its cost: one correctly
-    rounded reciprocal ``y = 1/d`` per group, then per element ``q0 = x·y``, the exact residual
-    ``r = x − q0·d`` (an FMA) and ``q = q0 + r·y`` (an FMA): the last step of the GPU's own
-    division, which is correctly rounded for a reciprocal at least this accurate (Markstein's
-    theorem). Divisors below 2^-64 are scaled with the dividend by 2^64 first (exact, same
-    quotient), so ``y`` stays finite and the residual representable."""
-    f = tl.where(d < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+    given ``xf = x · f`` for a per-group power of two ``f`` with ``d · f ≥ 2^-64``
+    (:func:`_tiny_factor` of ``d`` or of a smaller divisor), rounded as one IEEE division
+    (``tl.math.div_rn``) at a third of its cost: one correctly rounded reciprocal ``y = 1/(d·f)``
+    per group, then per element ``q0 = xf·y``, the exact residual ``r = xf − q0·d·f`` (an FMA)
+    and ``q = q0 + r·y`` (an FMA): the last step of the GPU's own division, which is correctly
+    rounded for a reciprocal at least this accurate (Markstein's theorem). Scaling both by
+    ``f`` is exact and keeps the quotient, ``y`` finite and the residual representable."""
     d = d * f
     y = tl.expand_dims(tl.math.div_rn(1.0, d), 3)
-    x = x * tl.expand_dims(f, 3)
-    q0 = x * y
-    r = tl.math.fma(q0 * -1.0, tl.expand_dims(d, 3), x)
+    q0 = xf * y
+    r = tl.math.fma(q0 * -1.0, tl.expand_dims(d, 3), xf)
     return tl.math.fma(r, y, q0)
 
 
@@ -435,13 +440,13 @@ def _group_scales(v, TILE2D: tl.constexpr):
 
 
 @triton.jit
-def _candidate(x, s, s_t, u, MODE: tl.constexpr, TILE2D: tl.constexpr,
+def _candidate(x, xf, f, s, s_t, u, MODE: tl.constexpr, TILE2D: tl.constexpr,
                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
     """The elements ``q`` (values, codes) of the candidate block scales ``s`` and, per scale
     group, their error ``tree_sum((q · s · s_t − x)²)`` (``_quantize_groups``; a 16×16 tile is
-    summed in its row-major order: rows, then columns)."""
+    summed in its row-major order: rows, then columns). ``xf = x · f``: :func:`_div_groups`."""
     se = tl.expand_dims(s, 3)
-    q, code = _round_e2m1(_div_groups(x, s * s_t), u, MODE)
+    q, code = _round_e2m1(_div_groups(xf, s * s_t, f), u, MODE)
     d = q * se * s_t - x
     d = d * d
     if TILE2D:
@@ -516,15 +521,20 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         # Both candidates' elements, then the one with the smaller error per group.
         tl.static_assert(MODE != 2, "4/6 applies to RTN and SR, not MS-EDEN")
         s4, bits4 = _block_scale(raw * 1.5)
-        q6, code6, err6 = _candidate(x, s_out, s_t, u, MODE, TILE2D, BM, CH, R)
-        q4, code4, err4 = _candidate(x, s4, s_t, u, MODE, TILE2D, BM, CH, R)
+        # One prescaling of x for both divisions (by the smaller divisor's factor).
+        f = _tiny_factor(tl.minimum(s_out, s4) * s_t)
+        xf = x * tl.expand_dims(f, 3)
+        q6, code6, err6 = _candidate(x, xf, f, s_out, s_t, u, MODE, TILE2D, BM, CH, R)
+        q4, code4, err4 = _candidate(x, xf, f, s4, s_t, u, MODE, TILE2D, BM, CH, R)
         use4 = err4 < err6
         s_out = tl.where(use4, s4, s_out)
         bits_out = tl.where(use4, bits4, bits_out)
         q = tl.where(tl.expand_dims(use4, 3), q4, q6)
         code = tl.where(tl.expand_dims(use4, 3), code4, code6)
     else:
-        x_s = _div_groups(x, s_out * s_t)  # post hoc: s_t = 1, exact
+        d = s_out * s_t  # post hoc: s_t = 1, exact
+        f = _tiny_factor(d)
+        x_s = _div_groups(x * tl.expand_dims(f, 3), d, f)
         q, code = _round_e2m1(x_s, u, MODE)
     if PACK:
         # Two codes per byte, element 2i in the low nibble: a sum over each pair (exact ints).
