@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -127,24 +126,21 @@ def _quantize(
     return _Factor.of(q), q
 
 
-_INDUCTOR_EPILOGUE = os.environ.get('NVFP4_INDUCTOR_EPILOGUE', '1') != '0'
-
-
 def _product(a: _Factor, b: _Factor, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``(a.values · b.valuesᵀ) · (a.scale · b.scale)``: the product in ``dtype``, times the FP32
     tensor scales in FP32 and rounded to ``dtype`` (NVFP4 hardware's epilogue), returned in
-    ``out_dtype`` (default ``dtype``). On the kernel backend the epilogue and the cast are one
-    pass (``nvfp4::scale_product``)."""
+    ``out_dtype`` (default ``dtype``). Eager, on the kernel backend, the epilogue and the cast
+    are one pass (``quant.kernels.scale_product``); under ``torch.compile`` they stay torch ops,
+    which inductor fuses into the kernels that consume the product (an RMSNorm, SwiGLU, the
+    residual add), so the product is not read and written once more."""
     out_dtype = out_dtype or dtype
     out = F.linear(a.values.to(dtype), b.values.to(dtype))
     if a.scale is None and b.scale is None:
         return out.to(out_dtype)
-    compiling = torch.compiler.is_compiling()
-    if backend.use_triton(out) and not (compiling and _INDUCTOR_EPILOGUE):
+    if backend.use_triton(out) and not torch.compiler.is_compiling():
         from .kernels import ops
 
-        fn = ops.scale_product if compiling else ops.scale_product_impl
-        return fn(out, a.scale, b.scale, out_dtype)
+        return ops.scale_product(out, a.scale, b.scale, out_dtype)
     one = torch.ones((), device=out.device)
     scale = (a.scale if a.scale is not None else one) * (b.scale if b.scale is not None else one)
     return (out.float() * scale).to(dtype).to(out_dtype)

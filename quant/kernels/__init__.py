@@ -6,8 +6,9 @@ interpreter's fp8/bf16 conversion bugs patched (:mod:`quant.kernels.interpreter`
 
 Public API (all ops take a 2-D ``x``; ``transpose=True`` quantizes ``xᵀ``, i.e. along columns):
 ``rtn``, ``rtn_2d``, ``sr``, ``rht_ms_eden``, ``rht_sr``, ``rht_rtn``, the generic
-``quantize_operand``, ``amax``, ``unpack``, ``philox_uniforms``, ``philox_signs`` and the GEMM epilogue
-``scale_product``; :mod:`.dispatch` connects them
+``quantize_operand``, ``amax``, ``unpack``, ``philox_uniforms``, ``philox_signs``, and the GEMM
+epilogue ``scale_product`` (a plain function: compiled graphs leave the epilogue to inductor);
+:mod:`.dispatch` connects them
 to :class:`quant.linear.QuantizedLinearFunction`.
 """
 

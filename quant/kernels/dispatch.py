@@ -13,16 +13,11 @@ kernel) only where a GEMM consumes it without re-quantization.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..format import GROUP, PackedNVFP4
 from ..randomness import PhiloxStream
 from . import ops
-
-
-_INDUCTOR_AMAX = os.environ.get("NVFP4_INDUCTOR_AMAX", "1") != "0"
 
 
 class PackedFactor:
@@ -105,8 +100,7 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
     compiling = torch.compiler.is_compiling()
     fn = ops.quantize_operand if compiling else ops._quantize_impl
     amax = None
-    if (compiling and _INDUCTOR_AMAX and kind == ops.SRC_DENSE and signs is None and in_scale is None
-            and not op.posthoc):
+    if compiling and kind == ops.SRC_DENSE and signs is None and in_scale is None and not op.posthoc:
         amax = x.abs().amax()
     values, codes, scales, st, current = fn(
         x, x_scales, kind, transpose, in_scale, signs, prev, uniforms, seed, stream, op.quantizer,

@@ -507,8 +507,8 @@ def _(seed, h, stream=0):
     return seed.new_empty((h,), dtype=torch.int8)
 
 
-def scale_product_impl(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor],
-                       out_dtype: torch.dtype) -> Tensor:
+def scale_product(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor],
+                  out_dtype: torch.dtype) -> Tensor:
     """``(y.float() · (scale_a · scale_b)).to(y.dtype).to(out_dtype)`` in one pass: the tensor
     scales of an emulated NVFP4 GEMM applied to its product ``y`` (FP32 0-dim scales, None = 1)."""
     y = y.contiguous()
@@ -521,15 +521,3 @@ def scale_product_impl(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[T
                 scale_a if scale_a is not None else dummy, scale_b if scale_b is not None else dummy,
                 out, n, HAS_A=scale_a is not None, HAS_B=scale_b is not None, BLOCK=block, num_warps=4)
     return out
-
-
-@torch.library.custom_op("nvfp4::scale_product", mutates_args=())
-def scale_product(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor],
-                  out_dtype: torch.dtype) -> Tensor:
-    """The custom-op form of :func:`scale_product_impl` (for ``torch.compile``)."""
-    return scale_product_impl(y, scale_a, scale_b, out_dtype)
-
-
-@scale_product.register_fake
-def _(y, scale_a, scale_b, out_dtype):
-    return y.new_empty(y.shape, dtype=out_dtype)
