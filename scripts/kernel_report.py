@@ -61,7 +61,7 @@ def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "phil
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=int(draws == "philox"), WRITE_VALUES=True, PACK=True,
-                  POSTHOC=posthoc,
+                  POSTHOC=posthoc, TILES=ops._tiles_per_program(rot, cols, mode == "rtn_2d"),
                   EVEN=True, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel

@@ -66,6 +66,24 @@ _CONFIG = {"rows": (16, 128, 4), "rows_2d": (16, 128, 8), "rows_wide": (4, 128, 
            "cols": (32, 64, 4), "cols_wide": (16, 128, 4), "interpret": (128, 256, 4)}
 
 
+_TILES_PER_PROGRAM = {"rows_wide": 4, "interpret": 2}
+"""Consecutive tiles (along K, then M) that one program of ``quant_kernel`` quantizes in a loop,
+per layout (default 1: a 2-D grid of one tile per program). Looping puts the Hadamard signs, the
+Philox key and the post hoc ``atomic_max`` once per program. It pays for the one-warp tiles of
+the wide rotations: post hoc MS-EDEN 16384×4096 on the H200 (session 6, two runs each) took
+174.3 / 173.6 µs with 1 tile per program and 162.3 / 162.5 with 4 (rows; 8 and 32 were slower
+than 4 in another run), RHT32+SR the same (287 / 288 µs); the 4-warp RTN and 4/6 tiles gained
+nothing. The interpreter runs 2, so that the loop and a program's partial last group are
+tested. ``NVFP4_TILES_PER_PROGRAM`` overrides every layout."""
+
+
+def _tiles_per_program(rot: int, cols: bool, tile2d: bool) -> int:
+    env = os.environ.get("NVFP4_TILES_PER_PROGRAM")
+    if env:
+        return int(env)
+    return _TILES_PER_PROGRAM.get("interpret" if _INTERPRET else layout_of(rot, cols, tile2d), 1)
+
+
 _ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
 """(rows, groups of 16, warps) of the tiles of MS-EDEN's post hoc align pass."""
 
@@ -279,7 +297,10 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         t_t, t_b = _targets(mode, four_over_six)
         cols = _is_cols(src, sk, pt)
         meta, bk, nw = _tiling(rot, cols, mode == "rtn_2d")
+        tiles = _tiles_per_program(rot, cols, mode == "rtn_2d")
         grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, bk))
+        if tiles > 1:
+            grid = (triton.cdiv(grid[0] * grid[1], tiles),)
         dummy = st
         u_arg = uniforms if uniforms is not None else dummy
         seed_arg = seed if seed is not None else dummy
@@ -292,7 +313,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
                 TILE2D=mode == "rtn_2d", RAND=rand, WRITE_VALUES=values,
                 PACK=codes_out, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
-                num_warps=nw, **meta)
+                TILES=tiles, num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             _launch(K.eden_align_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd // GROUP, g)),

@@ -356,7 +356,16 @@ def _load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
 
 
 @triton.jit
-def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m, stride_k,
+def _sign_masks(signs_ptr, m, k, R: tl.constexpr):
+    """The sign bits ``0x80000000`` where the Hadamard sign ``σ`` (int8 ±1) of column ``k`` is
+    −1, at the tile's shape (the same for every tile): ``x · σ`` is then one XOR per element,
+    exact as the reference's multiply."""
+    sg = tl.load(signs_ptr + (m - m) + (k % (16 * R)))
+    return sg.to(tl.int32) & -2147483648
+
+
+@triton.jit
+def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m, stride_k,
                P_C, SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
@@ -387,10 +396,7 @@ def _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, st
         # signs): a thread then holds 16 consecutive signs, and triton lays the whole rotation
         # out with each 16-group in one thread's registers, so only the butterfly stages
         # across groups shuffle between lanes.
-        # x · σ as a flip of the sign bit where σ = −1 (int8 −1 has it set): exact, as the
-        # reference's multiply, at one logic op per element.
-        sg = tl.load(signs_ptr + (m - m) + (k % (16 * R)))
-        x = (x.to(tl.int32, bitcast=True) ^ (sg.to(tl.int32) & -2147483648)).to(tl.float32, bitcast=True)
+        x = (x.to(tl.int32, bitcast=True) ^ sgm).to(tl.float32, bitcast=True)
         x = _fwht(x, BM, CH, R, LOG_R) * INV_SQRT
     return x
 
@@ -414,7 +420,10 @@ def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, s
     """``amax_ptr[0] = max(amax_ptr[0], max |A_tile|)`` (amax_ptr starts at 0)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
-    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m,
+    sgm = 0
+    if ROT > 0:
+        sgm = _sign_masks(signs_ptr, m, k, R)
+    x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, BM, CH, R, LOG_R)
     _atomic_max_nonneg(amax_ptr, tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0))
 
@@ -467,7 +476,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                  ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                  MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                  RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
-                 POSTHOC: tl.constexpr, EVEN: tl.constexpr,
+                 POSTHOC: tl.constexpr, EVEN: tl.constexpr, TILES: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """Quantize one tile of ``A`` along K (see the module docstring).
 
@@ -486,11 +495,45 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``; :func:`eden_align_kernel`
     then sets the tensor scale, writes the E4M3 scales and fixes the values it must.
     """
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
     seed = _load_key(seed_ptr, RAND)
+    sgm = 0
+    if ROT > 0:  # the same for every tile: loaded once
+        m0, k0 = _tile_index(0, 0, BM, CH, R)
+        sgm = _sign_masks(signs_ptr, m0, k0, R)
+    if TILES > 1:  # a 1-D grid over groups of TILES tiles
+        n_k = tl.cdiv(K, CH * R * 16)
+        first = tl.program_id(0) * TILES
+        cmax = 0.0
+        for t in tl.range(first, tl.minimum(first + TILES, tl.cdiv(M, BM) * n_k)):
+            cmax = tl.maximum(cmax, _quant_tile(
+                x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
+                sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream, t // n_k, t % n_k,
+                T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE, FOUR_SIX, TILE2D,
+                RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, BM, CH, R, LOG_R))
+    else:
+        cmax = _quant_tile(
+            x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
+            sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream,
+            tl.program_id(0), tl.program_id(1), T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE,
+            FOUR_SIX, TILE2D, RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, BM, CH, R, LOG_R)
+    if POSTHOC:
+        _atomic_max_nonneg(amax_ptr, cmax)
+
+
+@triton.jit
+def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
+                sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream, pid_m, pid_k,
+                T_TENSOR: tl.constexpr, T_BLOCK: tl.constexpr,
+                SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                ROT: tl.constexpr, INV_SQRT: tl.constexpr,
+                MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
+                RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
+                POSTHOC: tl.constexpr, EVEN: tl.constexpr,
+                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+    """One tile of :func:`quant_kernel`; returns its largest corrected scale (POSTHOC, else 0)."""
+    cmax = 0.0
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
-    x = _load_tile(x_ptr, xs_ptr, scale_ptr, signs_ptr, pid_m, pid_k, m, k, M, K, stride_m,
+    x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, BM, CH, R, LOG_R)
     mask = ((m < M) & (k < K)) | EVEN  # EVEN: whole tiles only, no masks
 
@@ -560,7 +603,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         if POSTHOC:
             c = tl.where(raw > 0, c, 0.0)
             tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
-            _atomic_max_nonneg(amax_ptr, tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0))
+            cmax = tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0)
             if WRITE_VALUES:  # q · sr(c / s_t) · s_t, wherever the align pass finds it exact
                 s_out = _sr_m3(c, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
         else:
@@ -575,6 +618,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
             tl.store(sc_ptr + r16 * (K // 16) + g, bits_out, mask=(r16 < M // 16) & (g < K // 16))
         elif not POSTHOC:  # post hoc: the align pass writes the scales
             tl.store(sc_ptr + gm * (K // 16) + g, bits_out, mask=gmask)
+    return cmax
 
 
 @triton.jit
@@ -626,7 +670,7 @@ def unpack_kernel(x_ptr, xs_ptr, val_ptr, NR, NC, SRC: tl.constexpr, BM: tl.cons
     """BF16 ``q · s_block`` of a packed ``NR × NC`` tensor (``NVFP4Tensor.scaled_values``)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     m, k = _tile_index(pid_m, pid_k, BM, 1, R)
-    x = _load_tile(x_ptr, xs_ptr, x_ptr, x_ptr, pid_m, pid_k, m, k, NR, NC, 0, 0, NC,
+    x = _load_tile(x_ptr, 0, xs_ptr, x_ptr, pid_m, pid_k, m, k, NR, NC, 0, 0, NC,
                    SRC, False, False, 0, 1.0, False, BM, 1, R, 0)
     tl.store(val_ptr + m * NC + k, x.to(tl.bfloat16), mask=(m < NR) & (k < NC))
 
