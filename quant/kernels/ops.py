@@ -77,6 +77,12 @@ nothing. The interpreter runs 2, so that the loop and a program's partial last g
 tested. ``NVFP4_TILES_PER_PROGRAM`` overrides every layout."""
 
 
+def _grid(M: int, Kd: int, bm: int, bk: int, tiles: int) -> tuple[int, ...]:
+    """One program per ``bm × bk`` tile (2-D), or per ``tiles`` consecutive tiles (1-D)."""
+    grid = (triton.cdiv(M, bm), triton.cdiv(Kd, bk))
+    return grid if tiles == 1 else (triton.cdiv(grid[0] * grid[1], tiles),)
+
+
 def _tiles_per_program(rot: int, cols: bool, tile2d: bool) -> int:
     env = os.environ.get("NVFP4_TILES_PER_PROGRAM")
     if env:
@@ -218,11 +224,12 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
         return out
     cols = _is_cols(src, sk, pt)
     meta, bk, nw = _tiling(rot, cols)
-    grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, bk))
-    _launch(K.amax_kernel, grid, x, x_scales if x_scales is not None else x,
+    tiles = _tiles_per_program(rot, cols, False)
+    _launch(K.amax_kernel, _grid(M, Kd, meta["BM"], bk, tiles), x, x_scales if x_scales is not None else x,
             in_scale if in_scale is not None else out, signs if signs is not None else out, out,
             M, Kd, sm, sk, pc, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None, ROT=rot,
-            INV_SQRT=inv, EVEN=_whole_tiles(M, Kd, meta["BM"], bk), num_warps=nw, **meta)
+            INV_SQRT=inv, EVEN=_whole_tiles(M, Kd, meta["BM"], bk), TILES=tiles, num_warps=nw,
+            **meta)
     return out
 
 
@@ -298,9 +305,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         cols = _is_cols(src, sk, pt)
         meta, bk, nw = _tiling(rot, cols, mode == "rtn_2d")
         tiles = _tiles_per_program(rot, cols, mode == "rtn_2d")
-        grid = (triton.cdiv(M, meta["BM"]), triton.cdiv(Kd, bk))
-        if tiles > 1:
-            grid = (triton.cdiv(grid[0] * grid[1], tiles),)
+        grid = _grid(M, Kd, meta["BM"], bk, tiles)
         dummy = st
         u_arg = uniforms if uniforms is not None else dummy
         seed_arg = seed if seed is not None else dummy

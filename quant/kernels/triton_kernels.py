@@ -359,7 +359,10 @@ def _load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
 def _sign_masks(signs_ptr, m, k, R: tl.constexpr):
     """The sign bits ``0x80000000`` where the Hadamard sign ``σ`` (int8 ±1) of column ``k`` is
     −1, at the tile's shape (the same for every tile): ``x · σ`` is then one XOR per element,
-    exact as the reference's multiply."""
+    exact as the reference's multiply. The int8 signs are loaded at the tile's full shape (each
+    row and chunk reads the same h signs): a thread then holds 16 consecutive signs, and triton
+    lays the whole rotation out with each 16-group in one thread's registers, so only the
+    butterfly stages across groups shuffle between lanes."""
     sg = tl.load(signs_ptr + (m - m) + (k % (16 * R)))
     return sg.to(tl.int32) & -2147483648
 
@@ -392,10 +395,6 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
     if HAS_SCALE:
         x = x * tl.load(scale_ptr)
     if ROT > 0:
-        # The int8 signs are loaded at the tile's shape (each row and chunk reads the same h
-        # signs): a thread then holds 16 consecutive signs, and triton lays the whole rotation
-        # out with each 16-group in one thread's registers, so only the butterfly stages
-        # across groups shuffle between lanes.
         x = (x.to(tl.int32, bitcast=True) ^ sgm).to(tl.float32, bitcast=True)
         x = _fwht(x, BM, CH, R, LOG_R) * INV_SQRT
     return x
@@ -415,17 +414,41 @@ def _atomic_max_nonneg(ptr, v):
 @triton.jit
 def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, stride_k, P_C,
                 SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
+                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr, TILES: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
-    """``amax_ptr[0] = max(amax_ptr[0], max |A_tile|)`` (amax_ptr starts at 0)."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    m, k = _tile_index(pid_m, pid_k, BM, CH, R)
+    """``amax_ptr[0] = max(amax_ptr[0], max |A|)`` over this program's tiles (amax_ptr starts
+    at 0; TILES consecutive tiles per program as :func:`quant_kernel`). The rotation's ``1/√h``
+    multiplies the maximum instead of every element: rounding is monotone, so
+    ``max |RN(y/√h)| = RN(max |y| / √h)``."""
     sgm = 0
     if ROT > 0:
-        sgm = _sign_masks(signs_ptr, m, k, R)
+        m0, k0 = _tile_index(0, 0, BM, CH, R)
+        sgm = _sign_masks(signs_ptr, m0, k0, R)
+    if TILES > 1:
+        n_k = tl.cdiv(K, CH * R * 16)
+        first = tl.program_id(0) * TILES
+        amax = 0.0
+        for t in tl.range(first, tl.minimum(first + TILES, tl.cdiv(M, BM) * n_k)):
+            amax = tl.maximum(amax, _tile_absmax(
+                x_ptr, sgm, xs_ptr, scale_ptr, t // n_k, t % n_k, M, K, stride_m, stride_k, P_C,
+                SRC, COLS, HAS_SCALE, ROT, EVEN, BM, CH, R, LOG_R))
+    else:
+        amax = _tile_absmax(x_ptr, sgm, xs_ptr, scale_ptr, tl.program_id(0), tl.program_id(1), M,
+                            K, stride_m, stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, EVEN, BM, CH, R,
+                            LOG_R)
+    _atomic_max_nonneg(amax_ptr, amax * INV_SQRT)
+
+
+@triton.jit
+def _tile_absmax(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
+                 SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 ROT: tl.constexpr, EVEN: tl.constexpr,
+                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+    """``max |A_tile|`` of one tile, rotated without the ``1/√h`` (:func:`amax_kernel`)."""
+    m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
-                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, BM, CH, R, LOG_R)
-    _atomic_max_nonneg(amax_ptr, tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0))
+                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, 1.0, EVEN, BM, CH, R, LOG_R)
+    return tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0)
 
 
 @triton.jit
