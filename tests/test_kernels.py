@@ -331,6 +331,30 @@ def test_gpu_tile_shapes(tile, monkeypatch):
     _check(K.rtn_2d(x.to(DEV), False, True), quantize_rtn_2d(x, four_over_six=True))
 
 
+@pytest.mark.parametrize("tiles", [1, 5])
+def test_tiles_per_program(tiles, monkeypatch):
+    """Programs that loop over several tiles (the GPU's one-warp wide-rotation tiles take 4)
+    and the 2-D grid of one tile per program give the reference's bits: 48×256 in 4×128 tiles
+    is 24 tiles, so 5 per program leaves a partial last program; the post hoc maximum and the
+    rotated amax pass (RHT32 + SR) are reduced over each program's tiles, not taken from its
+    last."""
+    monkeypatch.setenv("NVFP4_TILES_PER_PROGRAM", str(tiles))
+    if not CUDA:
+        monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
+    x = _data((48, 256), seed=44)
+    x[0, 200] = 1e4  # the tensor's maximum, in tile 1 of the first program: not its last
+    seed = torch.tensor([123456789], dtype=torch.int64, device=DEV)
+    signs = random_signs(128, torch.Generator().manual_seed(45), "cpu")
+    u = K.philox_uniforms(seed, x.numel() // 16, "ms_eden", 2).cpu().reshape(48, -1)
+    out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, None, seed, None, True, stream=2, posthoc=True)
+    _check(out, quantize_ms_eden(rotate(x, signs), u, chunk=128, posthoc=True), posthoc=True)
+    signs32 = signs[:32].contiguous()
+    us = torch.rand(x.shape, generator=torch.Generator().manual_seed(46))
+    out = K.rht_sr(x.to(DEV), signs32.to(DEV), False, us.to(DEV), None, None, True)
+    _check(out, quantize_sr(rotate(x, signs32), us))
+    assert out[4].cpu() == rotate(x, signs32).abs().amax()
+
+
 def test_delayed_amax_and_scaled_input():
     x = _data((48, 160), seed=15)
     prev = torch.tensor(3.5)
