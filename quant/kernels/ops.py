@@ -31,7 +31,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import triton
 from torch import Tensor
 
 from ..format import E2M1_MAX, E4M3_MAX, GROUP
@@ -77,10 +76,17 @@ nothing. The interpreter runs 2, so that the loop and a program's partial last g
 tested. ``NVFP4_TILES_PER_PROGRAM`` overrides every layout."""
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in Python. (``triton.cdiv`` is a jit function, so each host call goes
+    through triton's launcher machinery: dropping it took the host time of a post hoc MS-EDEN
+    quantization of a column operand from 56 to 42 µs, launches excluded, session 6.)"""
+    return -(-a // b)
+
+
 def _grid(M: int, Kd: int, bm: int, bk: int, tiles: int) -> tuple[int, ...]:
     """One program per ``bm × bk`` tile (2-D), or per ``tiles`` consecutive tiles (1-D)."""
-    grid = (triton.cdiv(M, bm), triton.cdiv(Kd, bk))
-    return grid if tiles == 1 else (triton.cdiv(grid[0] * grid[1], tiles),)
+    grid = (_cdiv(M, bm), _cdiv(Kd, bk))
+    return grid if tiles == 1 else (_cdiv(grid[0] * grid[1], tiles),)
 
 
 def _tiles_per_program(rot: int, cols: bool, tile2d: bool) -> int:
@@ -260,7 +266,7 @@ def _rows_operand(x, x_scales, src, transpose):
     out = torch.empty((M, Kd), dtype=x.dtype if src == SRC_DENSE else torch.bfloat16, device=x.device)
     if M and Kd:
         bm, bk, nw = _TRANSPOSE_TILE
-        _launch(K.transpose_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd, bk)), x,
+        _launch(K.transpose_kernel, (_cdiv(M, bm), _cdiv(Kd, bk)), x,
                 x_scales if x_scales is not None else x, out, M, Kd, sm, sk, pc, SRC=src, BM=bm,
                 BK=bk, num_warps=nw)
     return out, None, SRC_DENSE, False, _operand(out, SRC_DENSE, False)
@@ -321,7 +327,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 TILES=tiles, num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
-            _launch(K.eden_align_kernel, (triton.cdiv(M, bm), triton.cdiv(Kd // GROUP, g)),
+            _launch(K.eden_align_kernel, (_cdiv(M, bm), _cdiv(Kd // GROUP, g)),
                     codes, c, current, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
                     SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
                     BM=bm, G=g, num_warps=nw)
@@ -481,7 +487,7 @@ def unpack(data: Tensor, scales: Tensor, tile2d: bool = False) -> Tensor:
     out = torch.empty((R, C), dtype=torch.bfloat16, device=data.device)
     if R and C:
         bm, bk, nw = _config()
-        _launch(K.unpack_kernel, (triton.cdiv(R, bm), triton.cdiv(C, bk)), data,
+        _launch(K.unpack_kernel, (_cdiv(R, bm), _cdiv(C, bk)), data,
                 scales.view(torch.uint8), out, R, C, SRC=SRC_PACKED_2D if tile2d else SRC_PACKED,
                 BM=bm, R=bk // GROUP, num_warps=nw)
     return out
@@ -501,7 +507,7 @@ def _philox_draws(seed: Tensor, stream: int, n: int, kind: str) -> Tensor:
     out = torch.empty(n, dtype=torch.int8 if kind == "signs" else torch.float32, device=seed.device)
     if n:
         block = 65536 if _INTERPRET else 1024
-        _launch(K.rand_kernel, (triton.cdiv(n, block),), seed, out, n, stream,
+        _launch(K.rand_kernel, (_cdiv(n, block),), seed, out, n, stream,
                 KIND=_RAND_KINDS[kind], BLOCK=block, num_warps=4)
     return out
 
@@ -543,7 +549,7 @@ def scale_product(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor
     if n:
         block = 65536 if _INTERPRET else 2048
         dummy = scale_a if scale_a is not None else scale_b if scale_b is not None else y
-        _launch(K.scale_kernel, (triton.cdiv(n, block),), y,
+        _launch(K.scale_kernel, (_cdiv(n, block),), y,
                 scale_a if scale_a is not None else dummy, scale_b if scale_b is not None else dummy,
                 out, n, HAS_A=scale_a is not None, HAS_B=scale_b is not None, BLOCK=block, num_warps=4)
     return out
