@@ -90,6 +90,7 @@ def _grid(M: int, Kd: int, bm: int, bk: int, tiles: int) -> tuple[int, ...]:
 
 
 def _tiles_per_program(rot: int, cols: bool, tile2d: bool) -> int:
+    """:data:`_TILES_PER_PROGRAM` of an operand's layout (or ``NVFP4_TILES_PER_PROGRAM``)."""
     env = os.environ.get("NVFP4_TILES_PER_PROGRAM")
     if env:
         return int(env)

@@ -373,7 +373,8 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """The fp32 tile ``A[m, k]`` (``[BM, CH, R, 16]``) as the reference sees it: ``src.dense()``,
-    then rotated (``(x ⊙ σ) · H / √h``, h = 16·R) when ROT > 0. Masked elements are 0.
+    then rotated (``(x ⊙ σ) · H / √h``, h = 16·R; ``sgm``: σ's :func:`_sign_masks`) when
+    ROT > 0. Masked elements are 0.
 
     SRC 0: dense, ``A[m, k] = x[m·stride_m + k·stride_k]`` (offsets < 2^31, checked by the
     launcher). SRC 1 / 2: packed NVFP4 1×16 / 16×16 with physical shape ``(R, C)``
