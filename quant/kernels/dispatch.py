@@ -100,7 +100,8 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
     compiling = torch.compiler.is_compiling()
     fn = ops.quantize_operand if compiling else ops._quantize_impl
     amax = None
-    if compiling and kind == ops.SRC_DENSE and signs is None and in_scale is None and not op.posthoc:
+    if (compiling and kind == ops.SRC_DENSE and signs is None and in_scale is None
+            and not op.posthoc and x.numel()):  # (amax of an empty tensor is an error)
         amax = x.abs().amax()
     values, codes, scales, st, current = fn(
         x, x_scales, kind, transpose, in_scale, signs, prev, uniforms, seed, stream, op.quantizer,
