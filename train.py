@@ -105,7 +105,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     dist_info = init_distributed(cfg.device, cfg.parallel.replicate)
     try:
-        return _train(cfg, dist_info)
+        summary = _train(cfg, dist_info)
+        barrier()  # every rank is done before any tears the process group down
+        return summary
     finally:
         shutdown()
 

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import train  # noqa: E402
 from training import checkpoint  # noqa: E402
-from training.distributed import init_distributed, shutdown  # noqa: E402
+from training.distributed import barrier, init_distributed, shutdown  # noqa: E402
 
 
 def main() -> None:
@@ -43,6 +43,7 @@ def main() -> None:
 
             checkpoint.Checkpointer.save = save_then_die
         train._train(cfg, di)
+    barrier()  # as train.run: every rank is done before any tears the process group down
     shutdown()
 
 
