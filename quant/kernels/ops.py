@@ -89,14 +89,6 @@ def _grid(M: int, Kd: int, bm: int, bk: int, tiles: int) -> tuple[int, ...]:
     return grid if tiles == 1 else (_cdiv(grid[0] * grid[1], tiles),)
 
 
-def _tiles_per_program(rot: int, cols: bool, tile2d: bool) -> int:
-    """:data:`_TILES_PER_PROGRAM` of an operand's layout (or ``NVFP4_TILES_PER_PROGRAM``)."""
-    env = os.environ.get("NVFP4_TILES_PER_PROGRAM")
-    if env:
-        return int(env)
-    return _TILES_PER_PROGRAM.get("interpret" if _INTERPRET else layout_of(rot, cols, tile2d), 1)
-
-
 _ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
 """(rows, groups of 16, warps) of the tiles of MS-EDEN's post hoc align pass."""
 
@@ -123,10 +115,24 @@ def layout_of(rot: int, cols: bool, tile2d: bool = False) -> str:
     return "rows_wide" if rot >= 32 else "rows"
 
 
+def _layout_in_use(rot: int = 0, cols: bool = False, tile2d: bool = False) -> str:
+    """The key of ``_CONFIG`` and ``_TILES_PER_PROGRAM`` that an operand uses here: its
+    :func:`layout_of`, or ``interpret`` under the interpreter."""
+    return "interpret" if _INTERPRET else layout_of(rot, cols, tile2d)
+
+
 def _config(rot: int = 0, cols: bool = False, tile2d: bool = False) -> tuple[int, int, int]:
     """(BM, BK, num_warps) for an operand rotated in chunks of ``rot`` (0: none)."""
-    bm, bk, nw = _CONFIG["interpret" if _INTERPRET else layout_of(rot, cols, tile2d)]
+    bm, bk, nw = _CONFIG[_layout_in_use(rot, cols, tile2d)]
     return bm, max(bk, rot), nw
+
+
+def _tiles_per_program(rot: int, cols: bool, tile2d: bool = False) -> int:
+    """:data:`_TILES_PER_PROGRAM` of an operand's layout (or ``NVFP4_TILES_PER_PROGRAM``)."""
+    env = os.environ.get("NVFP4_TILES_PER_PROGRAM")
+    if env:
+        return int(env)
+    return _TILES_PER_PROGRAM.get(_layout_in_use(rot, cols, tile2d), 1)
 
 
 for _layout in list(_CONFIG):
@@ -189,10 +195,11 @@ def tile_meta(bm: int, bk: int, rot: int, tile2d: bool = False) -> dict:
     return dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r, LOG_R=int(math.log2(r)) if rot else 0)
 
 
-def _tiling(rot: int, cols: bool, tile2d: bool = False) -> tuple[dict, int, int]:
-    """Tile meta-parameters (:func:`tile_meta`), BK and num_warps of an operand."""
+def _tiling(rot: int, cols: bool, tile2d: bool = False) -> tuple[dict, int, int, int]:
+    """Tile meta-parameters (:func:`tile_meta`), BK, num_warps and tiles per program of an
+    operand."""
     bm, bk, nw = _config(rot, cols, tile2d)
-    return tile_meta(bm, bk, rot, tile2d), bk, nw
+    return tile_meta(bm, bk, rot, tile2d), bk, nw, _tiles_per_program(rot, cols, tile2d)
 
 
 def _is_cols(src: int, stride_k: int, pt: bool) -> bool:
@@ -230,8 +237,7 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     if M == 0 or Kd == 0:
         return out
     cols = _is_cols(src, sk, pt)
-    meta, bk, nw = _tiling(rot, cols)
-    tiles = _tiles_per_program(rot, cols, False)
+    meta, bk, nw, tiles = _tiling(rot, cols)
     _launch(K.amax_kernel, _grid(M, Kd, meta["BM"], bk, tiles), x, x_scales if x_scales is not None else x,
             in_scale if in_scale is not None else out, signs if signs is not None else out, out,
             M, Kd, sm, sk, pc, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None, ROT=rot,
@@ -310,8 +316,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     if M and Kd:
         t_t, t_b = _targets(mode, four_over_six)
         cols = _is_cols(src, sk, pt)
-        meta, bk, nw = _tiling(rot, cols, mode == "rtn_2d")
-        tiles = _tiles_per_program(rot, cols, mode == "rtn_2d")
+        meta, bk, nw, tiles = _tiling(rot, cols, mode == "rtn_2d")
         grid = _grid(M, Kd, meta["BM"], bk, tiles)
         dummy = st
         u_arg = uniforms if uniforms is not None else dummy
