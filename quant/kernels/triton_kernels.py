@@ -356,15 +356,20 @@ def _load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
 
 
 @triton.jit
-def _sign_masks(signs_ptr, m, k, R: tl.constexpr):
-    """The sign bits ``0x80000000`` where the Hadamard sign ``σ`` (int8 ±1) of column ``k`` is
-    −1, at the tile's shape (the same for every tile): ``x · σ`` is then one XOR per element,
-    exact as the reference's multiply. The int8 signs are loaded at the tile's full shape (each
-    row and chunk reads the same h signs): a thread then holds 16 consecutive signs, and triton
-    lays the whole rotation out with each 16-group in one thread's registers, so only the
-    butterfly stages across groups shuffle between lanes."""
-    sg = tl.load(signs_ptr + (m - m) + (k % (16 * R)))
-    return sg.to(tl.int32) & -2147483648
+def _sign_masks(signs_ptr, ROT: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
+                R: tl.constexpr):
+    """The sign bits ``0x80000000`` where the Hadamard sign ``σ`` (int8 ±1) of a tile's column is
+    −1, at the tile's shape (the same for every tile, so a program loads them once; 0 without a
+    rotation): ``x · σ`` is then one XOR per element, exact as the reference's multiply. The
+    int8 signs are loaded at the tile's full shape (each row and chunk reads the same h signs):
+    a thread then holds 16 consecutive signs, and triton lays the whole rotation out with each
+    16-group in one thread's registers, so only the butterfly stages across groups shuffle
+    between lanes."""
+    sgm = 0
+    if ROT > 0:
+        m, k = _tile_index(0, 0, BM, CH, R)
+        sgm = tl.load(signs_ptr + (m - m) + (k % (16 * R))).to(tl.int32) & -2147483648
+    return sgm
 
 
 @triton.jit
@@ -421,10 +426,7 @@ def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, s
     at 0; TILES consecutive tiles per program as :func:`quant_kernel`). The rotation's ``1/√h``
     multiplies the maximum instead of every element: rounding is monotone, so
     ``max |RN(y/√h)| = RN(max |y| / √h)``."""
-    sgm = 0
-    if ROT > 0:
-        m0, k0 = _tile_index(0, 0, BM, CH, R)
-        sgm = _sign_masks(signs_ptr, m0, k0, R)
+    sgm = _sign_masks(signs_ptr, ROT, BM, CH, R)
     if TILES > 1:
         n_k = tl.cdiv(K, CH * R * 16)
         first = tl.program_id(0) * TILES
@@ -520,10 +522,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     then sets the tensor scale, writes the E4M3 scales and fixes the values it must.
     """
     seed = _load_key(seed_ptr, RAND)
-    sgm = 0
-    if ROT > 0:  # the same for every tile: loaded once
-        m0, k0 = _tile_index(0, 0, BM, CH, R)
-        sgm = _sign_masks(signs_ptr, m0, k0, R)
+    sgm = _sign_masks(signs_ptr, ROT, BM, CH, R)
     if TILES > 1:  # a 1-D grid over groups of TILES tiles
         n_k = tl.cdiv(K, CH * R * 16)
         first = tl.program_id(0) * TILES
