@@ -376,6 +376,7 @@ def _sign_masks(signs_ptr, ROT: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr
 def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m, stride_k,
                P_C, SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
+               GROUPS: tl.constexpr,
                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """The fp32 tile ``A[m, k]`` (``[BM, CH, R, 16]``) as the reference sees it: ``src.dense()``,
     then rotated (``(x ⊙ σ) · H / √h``, h = 16·R; ``sgm``: σ's :func:`_sign_masks`) when
@@ -392,7 +393,9 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
                                        SRC, BM, CH * R * 16), (BM, CH, R, 16))
     else:
         mask = ((m < M) & (k < K)) | EVEN
-        if SRC == 0:
+        if SRC == 0 and GROUPS:
+            x = _load_groups(x_ptr, pid_m, pid_k, M, K, stride_m, stride_k, EVEN, BM, CH, R)
+        elif SRC == 0:
             x = tl.load(x_ptr + m * stride_m + k * stride_k, mask=mask, other=0.0).to(tl.float32)
         else:
             byte = tl.load(x_ptr + m * (P_C // 2) + k // 2, mask=mask, other=0).to(tl.int32)
@@ -404,6 +407,38 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
         x = (x.to(tl.int32, bitcast=True) ^ sgm).to(tl.float32, bitcast=True)
         x = _fwht(x, BM, CH, R, LOG_R) * INV_SQRT
     return x
+
+
+@triton.jit
+def _load_groups(ptr, pid_m, pid_k, M, K, stride_m, stride_k, EVEN: tl.constexpr,
+                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
+    """The FP32 tile ``[BM, CH, R, 16]`` of a dense operand read along its rows, loaded as the
+    two halves of each 16-group and joined in registers, so that each thread holds whole groups
+    (:func:`_store_groups`)."""
+    m = pid_m * BM + tl.arange(0, BM)[:, None, None, None]
+    k = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None, None] * (R * 16)
+         + tl.arange(0, R)[None, None, :, None] * 16 + tl.arange(0, 8)[None, None, None, :])
+    mask = ((m < M) & (k < K)) | EVEN
+    lo = tl.load(ptr + m * stride_m + k * stride_k, mask=mask, other=0.0)
+    hi = tl.load(ptr + m * stride_m + (k + 8) * stride_k, mask=mask, other=0.0)
+    x = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 2, 4, 3)), (BM, CH, R, 16))
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_groups(ptr, v, pid_m, pid_k, M, K, EVEN: tl.constexpr, BM: tl.constexpr,
+                  CH: tl.constexpr, R: tl.constexpr):
+    """Store a tile ``[BM, CH, R, 16]`` (row-major ``M × K`` at ``ptr``) as the two halves of
+    each 16-group, one 8-element vector each: a thread that holds whole groups then stores from
+    its own registers (one ``[BM, CH, R, 16]`` store makes triton's coalescing give each thread
+    8 elements of a different assignment, a shuffle round trip per element)."""
+    lo, hi = tl.split(tl.permute(tl.reshape(v, (BM, CH, R, 2, 8)), (0, 1, 2, 4, 3)))
+    m = pid_m * BM + tl.arange(0, BM)[:, None, None, None]
+    k = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None, None] * (R * 16)
+         + tl.arange(0, R)[None, None, :, None] * 16 + tl.arange(0, 8)[None, None, None, :])
+    mask = ((m < M) & (k < K)) | EVEN
+    tl.store(ptr + m * K + k, lo, mask=mask)
+    tl.store(ptr + m * K + (k + 8), hi, mask=mask)
 
 
 @triton.jit
@@ -450,7 +485,7 @@ def _tile_absmax(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, M, K, stride_m, st
     """``max |A_tile|`` of one tile, rotated without the ``1/√h`` (:func:`amax_kernel`)."""
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
-                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, 1.0, EVEN, BM, CH, R, LOG_R)
+                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, 1.0, EVEN, False, BM, CH, R, LOG_R)
     return tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0)
 
 
@@ -556,8 +591,13 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
     """One tile of :func:`quant_kernel`; returns its largest corrected scale (POSTHOC, else 0)."""
     cmax = 0.0
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
+    # Compute-bound quantizers hold whole 16-groups per thread (_load_groups, _store_groups;
+    # rotations get that layout from their signs anyway); plain RTN is bound by memory
+    # transactions, which contiguous 8-element vectors across lanes keep fewer.
+    GROUPS: tl.constexpr = (ROT > 0 or FOUR_SIX or MODE != 0) and not TILE2D
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
-                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, BM, CH, R, LOG_R)
+                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, GROUPS, BM, CH, R,
+                   LOG_R)
     mask = ((m < M) & (k < K)) | EVEN  # EVEN: whole tiles only, no masks
 
     if POSTHOC:
@@ -634,7 +674,11 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
             s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
-        tl.store(val_ptr + m * K + k, (q * tl.expand_dims(s_out, 3)).to(tl.bfloat16), mask=mask)
+        val = (q * tl.expand_dims(s_out, 3)).to(tl.bfloat16)
+        if GROUPS:
+            _store_groups(val_ptr, val, pid_m, pid_k, M, K, EVEN, BM, CH, R)
+        else:
+            tl.store(val_ptr + m * K + k, val, mask=mask)
     if PACK:
         if TILE2D:
             r16 = pid_m + tl.zeros((1, CH, R), dtype=tl.int32)
@@ -694,7 +738,7 @@ def unpack_kernel(x_ptr, xs_ptr, val_ptr, NR, NC, SRC: tl.constexpr, BM: tl.cons
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     m, k = _tile_index(pid_m, pid_k, BM, 1, R)
     x = _load_tile(x_ptr, 0, xs_ptr, x_ptr, pid_m, pid_k, m, k, NR, NC, 0, 0, NC,
-                   SRC, False, False, 0, 1.0, False, BM, 1, R, 0)
+                   SRC, False, False, 0, 1.0, False, False, BM, 1, R, 0)
     tl.store(val_ptr + m * NC + k, x.to(tl.bfloat16), mask=(m < NR) & (k < NC))
 
 
