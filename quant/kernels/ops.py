@@ -302,7 +302,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     # The quantization (or align) kernel writes the tensor scale; an empty operand keeps 1. (One
     # fill kernel fewer per call: eager steps are bound by host launches.)
     st = (torch.empty if M and Kd else torch.ones)((), dtype=torch.float32, device=dev)
-    c = torch.empty((M, Kd // GROUP) if posthoc else (0,), dtype=torch.float32, device=dev)
+    # post hoc: the corrected scales and their roundings (quant_kernel's POSTHOC)
+    c = torch.empty((2, M, Kd // GROUP) if posthoc else (0,), dtype=torch.float32, device=dev)
     stochastic = mode in ("sr", "ms_eden")
     if stochastic and (uniforms is None) == (seed is None):
         raise ValueError(f"{mode} needs exactly one of uniforms or seed")

@@ -15,9 +15,9 @@ FP32 scalar; :func:`quant_kernel` reads ``A`` again and writes the GEMM-ready va
 ``q · s_block`` in BF16 and, optionally, the packed storage form. MS-EDEN with post hoc range
 alignment (the default): :func:`quant_kernel` (``POSTHOC``) reads ``A`` once and writes the values
 (``q · s_block · s_tensor``: the tensor scale is a power of two, exact to fold), the codes and
-the corrected scales, ``atomic_max``-ing the largest; the light :func:`eden_align_kernel` then
-sets the tensor scale, rounds the scales to E4M3 and rewrites the rare groups whose values
-depended on the tensor scale.
+the corrected scales with their stochastic roundings, ``atomic_max``-ing the largest; the light
+:func:`eden_align_kernel` then sets the tensor scale, reads the scales' E4M3 bits off those
+roundings and rewrites the rare groups whose values depended on the tensor scale.
 
 Bit-exactness rules (the reference is the contract):
 * every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs)
@@ -551,10 +551,11 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
 
     POSTHOC (MS-EDEN only): the first pass of post hoc range alignment
     (``quantize_ms_eden(posthoc=True)``): no amax is read; provisional scales
-    ``m3(amax_b / v)``; the codes, the corrected scales ``c`` (FP32, ``M × K/16`` at
-    ``c_ptr``) and the values ``q · sr_m3(c)`` (:func:`_sr_m3`: the tensor scale folded in) are
-    written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``; :func:`eden_align_kernel`
-    then sets the tensor scale, writes the E4M3 scales and fixes the values it must.
+    ``m3(amax_b / v)``; the codes, the corrected scales ``c`` and their roundings ``sr_m3(c)``
+    (:func:`_sr_m3`: the tensor scale folded in; FP32, ``2 × M × K/16`` at ``c_ptr``) and the
+    values ``q · sr_m3(c)`` are written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``;
+    :func:`eden_align_kernel` then sets the tensor scale, writes the E4M3 scales and fixes the
+    values it must.
     """
     seed = _load_key(seed_ptr, RAND)
     sgm = _sign_masks(signs_ptr, ROT, BM, CH, R)
@@ -665,10 +666,12 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
         c = s_out * S
         if POSTHOC:
             c = tl.where(raw > 0, c, 0.0)
-            tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
             cmax = tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0)
-            if WRITE_VALUES:  # q · sr(c / s_t) · s_t, wherever the align pass finds it exact
-                s_out = _sr_m3(c, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
+            # sr(c / s_t) · s_t, wherever the align pass finds it exact; the align pass reads it
+            # back instead of drawing again
+            s_out = _sr_m3(c, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
+            tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
+            tl.store(c_ptr + M * (K // 16) + gm * (K // 16) + g, s_out, mask=gmask)
         else:
             ug = _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND)
             s_out, bits_out = _sr_e4m3(c, ug)
@@ -695,7 +698,8 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     """Second pass of MS-EDEN's post hoc range alignment (``quantize_ms_eden(posthoc=True)``,
     steps 5'–6') on a ``[BM, G]`` tile of groups: ``s_t`` from ``max(c)`` and, with SCALES, the
     bits of the stochastic E4M3 rounding ``s = sr(c / s_t)`` (the same draws as the one-pass
-    kernel). Reads 0.25 bytes per element.
+    kernel), read off the first pass's ``sr_m3(c) = s · s_t`` (no draw) except in the rare
+    groups below, which draw again. Reads 0.25 bytes per element.
 
     The first pass wrote the values ``q · sr_m3(c)`` (:func:`_sr_m3`). They are ``(q · s) ·
     s_t`` wherever the two roundings use the same grid, i.e. unless ``c / s_t < 2^-6`` (below
@@ -707,19 +711,22 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     gm = pid_m * BM + tl.arange(0, BM)[:, None]
     g = pid_g * G + tl.arange(0, G)[None, :]
     gmask = ((gm < M) & (g < K // 16)) | EVEN
-    seed = _load_key(seed_ptr, RAND)
     s_t = _pow2_scale_448(tl.load(cmax_ptr))
     if (pid_m == 0) & (pid_g == 0):
         tl.store(st_ptr, s_t)
-    c = tl.load(c_ptr + gm * (K // 16) + g, mask=gmask, other=0.0)
-    c_t = tl.math.div_rn(c, s_t)
-    if SCALES:
-        _s, bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
-        tl.store(sc_ptr + gm * (K // 16) + g, bits, mask=gmask)
-    if FIX_VALUES:
-        fix = (c > 0) & ((c_t < 0.015625) | (c < 9.4039548065783e-38)) & gmask  # 2^-6, 2^-123
-        if tl.max(tl.max(fix.to(tl.int32), axis=1), axis=0) > 0:
-            s, _bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, fix, K, RAND))
+    r = tl.load(c_ptr + M * (K // 16) + gm * (K // 16) + g, mask=gmask, other=0.0)
+    bits = _e4m3_bits(tl.math.div_rn(r, s_t))  # exact: r / s_t is on E4M3's grid, at most 448
+    # A superset of the groups to fix (``r = sr_m3(c)`` is monotone in c, and 2^-6 · s_t and
+    # 2^-123 lie on c's grid, so c below either gives r at most it); their c decides.
+    maybe = ((r <= 0.015625 * s_t) | (r <= 9.4039548065783e-38)) & gmask  # 2^-6, 2^-123
+    if tl.max(tl.max(maybe.to(tl.int32), axis=1), axis=0) > 0:
+        seed = _load_key(seed_ptr, RAND)
+        c = tl.load(c_ptr + gm * (K // 16) + g, mask=maybe, other=0.0)
+        c_t = tl.math.div_rn(c, s_t)
+        fix = maybe & (c > 0) & ((c_t < 0.015625) | (c < 9.4039548065783e-38))
+        s, fix_bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, fix, K, RAND))
+        bits = tl.where(fix, fix_bits, bits)
+        if FIX_VALUES:
             gm3 = tl.expand_dims(gm, 2)
             g3 = tl.expand_dims(g, 2)
             fix3 = tl.expand_dims(fix, 2)
@@ -729,6 +736,8 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
             k = g3 * 16 + tl.arange(0, 16)[None, None, :]
             v = (q * tl.expand_dims(s, 2)) * s_t
             tl.store(val_ptr + gm3 * K + k, v.to(tl.bfloat16), mask=fix3)
+    if SCALES:
+        tl.store(sc_ptr + gm * (K // 16) + g, bits, mask=gmask)
 
 
 @triton.jit
