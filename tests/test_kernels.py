@@ -523,6 +523,24 @@ def test_saved_packed_operand_roundtrip():
     assert isinstance(p, PackedNVFP4) and p.tile == "1x16"
 
 
+@pytest.mark.skipif(not CUDA, reason="the launch cache serves GPU launches only")
+def test_launch_cache_keeps_specializations_apart():
+    """Repeated launches reuse a compiled kernel (``ops._COMPILED``), and a launch that triton
+    specializes differently gets its own: a view 4 bytes off 16-byte alignment, quantized right
+    after an aligned tensor of the same shape, still matches the reference bit for bit (the
+    kernel compiled for aligned pointers loads 16-byte vectors, which a misaligned pointer
+    faults on)."""
+    x = _data((64, 256))
+    base = torch.cat([x.flatten(), torch.zeros(4)]).to(DEV)
+    views = [base[:x.numel()].view(64, 256), base[1:1 + x.numel()].view(64, 256)]
+    assert views[1].data_ptr() % 16
+    for v in views + views:
+        _check(K.rtn(v, False, True), quantize_rtn(v.cpu(), four_over_six=True))
+    cached = len(kops._COMPILED)
+    K.rtn(views[1], False, True)
+    assert len(kops._COMPILED) == cached
+
+
 @pytest.mark.skipif(not CUDA, reason="large-shape check of the compiled kernels")
 @pytest.mark.parametrize("transpose", [False, True])
 def test_gpu_large_shapes(transpose):

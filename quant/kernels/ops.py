@@ -207,11 +207,38 @@ def _is_cols(src: int, stride_k: int, pt: bool) -> bool:
     return pt if src != SRC_DENSE else stride_k != 1
 
 
+_COMPILED: dict = {}
+"""Compiled kernels by :func:`_launch_key`, each with its constexpr arguments in parameter order:
+after a launch through triton's ``JITFunction.run`` compiled (or found) a kernel, later launches
+with the same key call its launcher directly. ``JITFunction.run`` spent about 66 µs of host
+time per launch on the H200's host (binding and specializing the arguments, the cache key, the
+launch metadata; cProfile of a compiled 100m quartet2 step, session 7), a compiled step without
+a CUDA graph makes about 480 launches, and such a step was bound by its host."""
+
+
+def _launch_key(kernel, num_warps: int, meta: dict, args: tuple) -> tuple:
+    """What decides which compiled kernel a launch uses, refined: the device, the options and
+    constexprs, and per argument its dtype and 16-byte alignment (a tensor: what triton
+    specializes a pointer on) or its value (a scalar: finer than triton's specialization of
+    integers on their width, divisibility by 16 and being 1)."""
+    return (kernel, torch.cuda.current_device(), num_warps, tuple(meta.items()),
+            tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor) else a for a in args))
+
+
 def _launch(kernel, grid, *args, num_warps: int, **meta):
     if _INTERPRET:
         kernel[grid](*args, **meta)
-    else:
-        kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **meta)
+        return
+    key = _launch_key(kernel, num_warps, meta, args)
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **meta)
+        names = kernel.arg_names[len(args):]
+        if set(names) == set(meta):  # every parameter was passed (none left to its default)
+            _COMPILED[key] = (compiled, tuple(meta[n] for n in names))
+        return
+    compiled, constexprs = hit
+    compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs)  # triton's own runner
 
 
 def _check(M: int, Kd: int, mode: str, rot: int) -> None:
