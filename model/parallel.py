@@ -31,6 +31,9 @@ from quant import randomness as quant_randomness
 from quant.randomness import derive_seed
 
 AC_MODES = ("none", "full", "selective")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""``torch.compile`` modes that replay each compiled block as CUDA graphs (cudagraph trees)."""
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -55,10 +58,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
             model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block separately (the blocks are identical, so one compilation serves all)."""
+def apply_compile(model: nn.Module, mode: str = "default") -> None:
+    """Compile each block separately (the blocks are identical, so one compilation serves all),
+    in ``torch.compile``'s ``mode``."""
     for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block)
+        model.blocks[i] = torch.compile(block, mode=mode)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, bf16_params: bool, reshard_after_forward: bool = True) -> None:
@@ -76,15 +80,25 @@ def parallelize(
     activation_checkpointing: str = "none",
     ac_every: int = 2,
     compile: bool = False,
+    compile_mode: str = "default",
     bf16_params: bool = True,
 ) -> nn.Module:
     """Apply activation checkpointing, compile and FSDP2 in that order (see module docstring).
 
-    ``mesh=None`` (one process) skips FSDP.
+    ``mesh=None`` (one process) skips FSDP. ``compile_mode`` is ``torch.compile``'s mode; the
+    CUDA-graph modes (:data:`CUDA_GRAPH_MODES`) serve one process only.
     """
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile_mode {compile_mode!r}; choose one of {COMPILE_MODES}")
+    if compile and compile_mode in CUDA_GRAPH_MODES and mesh is not None:
+        raise ValueError(
+            f"compile_mode={compile_mode} replays the compiled blocks as CUDA graphs, which FSDP2's "
+            f"collectives do not support. Fix: compile_mode=default (or max-autotune-no-cudagraphs) "
+            f"when training on more than one GPU."
+        )
     apply_activation_checkpointing(model, activation_checkpointing, ac_every)
     if compile:
-        apply_compile(model)
+        apply_compile(model, compile_mode)
     if mesh is not None:
         apply_fsdp(model, mesh, bf16_params)
     return model

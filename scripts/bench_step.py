@@ -4,6 +4,7 @@
     python scripts/bench_step.py --model 100m --batch 32 --seq 512 --compile
     python scripts/bench_step.py --model 100m --schemes quartet2 --profile 20   # where the time goes
     python scripts/bench_step.py --model 100m --compile --cuda-graph           # no host overhead
+    python scripts/bench_step.py --model 100m --compile --compile-mode reduce-overhead  # blocks as CUDA graphs
     torchrun --nproc_per_node 8 scripts/bench_step.py --model 1.9b --fsdp --batch 16
 
 One device per process. With ``--fsdp`` the model is sharded with FSDP2 over all ranks (also on
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quant  # noqa: E402
 from model import build_model  # noqa: E402
-from model.parallel import materialize, parallelize  # noqa: E402
+from model.parallel import CUDA_GRAPH_MODES, COMPILE_MODES, materialize, parallelize  # noqa: E402
 from scripts.cuda_graph import capture  # noqa: E402
 from training.metrics import bf16_peak_flops  # noqa: E402
 from training.optim import build_adamw  # noqa: E402
@@ -51,7 +52,7 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
     model = build_model(cfg, device="meta")
     quant.quantize_model(model, scheme)
     flops_per_token = model.flops_per_token(args.seq)
-    parallelize(model, mesh, activation_checkpointing=ac, compile=args.compile)
+    parallelize(model, mesh, activation_checkpointing=ac, compile=args.compile, compile_mode=args.compile_mode)
     materialize(model, device, seed=0)
     opt = build_adamw(model, 1e-4, (0.9, 0.95), 0.1)
     if args.cuda_graph:
@@ -61,6 +62,8 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
     tokens = torch.empty((args.batch, args.seq + 1), dtype=torch.long, device=device)
 
     def step() -> torch.Tensor:
+        if args.compile and args.compile_mode in CUDA_GRAPH_MODES:
+            torch.compiler.cudagraph_mark_step_begin()
         # autocast's cast cache must be off inside a CUDA graph capture
         with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not args.cuda_graph):
             loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -140,6 +143,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                   help="torch.compile mode (reduce-overhead: each block replayed as CUDA graphs)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time replays of the whole step captured in one CUDA graph (no host overhead)")
     p.add_argument("--peak-flops", type=float, default=None, help="BF16 peak FLOP/s for MFU")
@@ -158,7 +163,7 @@ def main() -> None:
     peak = bf16_peak_flops(device, a.peak_flops)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name} ×{world}, torch {torch.__version__}, model {a.model}, {a.batch}×{a.seq} tokens/step/GPU, "
-          f"compile={a.compile}, cuda_graph={a.cuda_graph}, {a.steps} timed steps after {a.warmup} warm-up\n")
+          f"compile={a.compile} ({a.compile_mode}), cuda_graph={a.cuda_graph}, {a.steps} timed steps after {a.warmup} warm-up\n")
     rows = ["| scheme | activation ckpt | step (ms) | tokens/s/GPU | MFU vs BF16 peak | peak mem (GiB) | × first scheme |",
             "|---|---|---|---|---|---|---|"]
     for ac in a.ac:

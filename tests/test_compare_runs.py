@@ -61,6 +61,9 @@ def offline_wandb_run(root: Path, *, name: str, config: dict, summary: dict, cur
     for k, v in summary.items():
         run.summary[k] = v
     run.finish()
+    # finish() can return before W&B's service has flushed the .wandb file (a read right after
+    # it found no run record in 1 of 3 runs); stopping the service closes the file.
+    wandb.teardown()
     return root
 
 

@@ -313,3 +313,16 @@ def test_sequence_longer_than_rope_table_is_rejected():
     llama = Llama(tiny_config(max_seq_len=8))
     with pytest.raises(ValueError, match="exceeds max_seq_len 8"):
         llama(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_parallelize_rejects_unknown_compile_modes_and_graphs_under_fsdp():
+    """An unknown ``compile_mode`` names the choices; a CUDA-graph mode with a device mesh (FSDP2)
+    is refused with the fix, before anything is wrapped."""
+    from model.parallel import parallelize
+
+    model = build_model(load_preset("tiny"), device="meta")
+    with pytest.raises(ValueError, match="unknown compile_mode 'fast'.*reduce-overhead"):
+        parallelize(model, None, compile=True, compile_mode="fast")
+    with pytest.raises(ValueError, match="FSDP2.*Fix: compile_mode=default"):
+        parallelize(model, object(), compile=True, compile_mode="reduce-overhead")
+    assert not any(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in model.blocks)
