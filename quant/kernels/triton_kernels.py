@@ -324,11 +324,13 @@ def _chunk_sum(v, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl
 
 
 @triton.jit
-def _tile_index(pid_m, pid_k, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
-    """Row ``m`` ``[BM,1,1,1]`` and reduction index ``k`` ``[1,CH,R,16]`` of a tile (int32)."""
+def _tile_index(pid_m, pid_k, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr,
+                N: tl.constexpr = 16):
+    """Row ``m`` ``[BM,1,1,1]`` and reduction index ``k`` ``[1,CH,R,N]`` of a tile (int32): the
+    first ``N`` elements of each 16-group (all 16, or the lower half of :func:`_load_groups`)."""
     m = pid_m * BM + tl.arange(0, BM)[:, None, None, None]
     k = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None, None] * (R * 16)
-         + tl.arange(0, R)[None, None, :, None] * 16 + tl.arange(0, 16)[None, None, None, :])
+         + tl.arange(0, R)[None, None, :, None] * 16 + tl.arange(0, N)[None, None, None, :])
     return m, k
 
 
@@ -415,9 +417,7 @@ def _load_groups(ptr, pid_m, pid_k, M, K, stride_m, stride_k, EVEN: tl.constexpr
     """The FP32 tile ``[BM, CH, R, 16]`` of a dense operand read along its rows, loaded as the
     two halves of each 16-group and joined in registers, so that each thread holds whole groups
     (:func:`_store_groups`)."""
-    m = pid_m * BM + tl.arange(0, BM)[:, None, None, None]
-    k = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None, None] * (R * 16)
-         + tl.arange(0, R)[None, None, :, None] * 16 + tl.arange(0, 8)[None, None, None, :])
+    m, k = _tile_index(pid_m, pid_k, BM, CH, R, 8)
     mask = ((m < M) & (k < K)) | EVEN
     lo = tl.load(ptr + m * stride_m + k * stride_k, mask=mask, other=0.0)
     hi = tl.load(ptr + m * stride_m + (k + 8) * stride_k, mask=mask, other=0.0)
@@ -433,9 +433,7 @@ def _store_groups(ptr, v, pid_m, pid_k, M, K, EVEN: tl.constexpr, BM: tl.constex
     its own registers (one ``[BM, CH, R, 16]`` store makes triton's coalescing give each thread
     8 elements of a different assignment, a shuffle round trip per element)."""
     lo, hi = tl.split(tl.permute(tl.reshape(v, (BM, CH, R, 2, 8)), (0, 1, 2, 4, 3)))
-    m = pid_m * BM + tl.arange(0, BM)[:, None, None, None]
-    k = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None, None] * (R * 16)
-         + tl.arange(0, R)[None, None, :, None] * 16 + tl.arange(0, 8)[None, None, None, :])
+    m, k = _tile_index(pid_m, pid_k, BM, CH, R, 8)
     mask = ((m < M) & (k < K)) | EVEN
     tl.store(ptr + m * K + k, lo, mask=mask)
     tl.store(ptr + m * K + (k + 8), hi, mask=mask)
