@@ -29,7 +29,7 @@ from data.prepare import load_manifest, prepare_from_config
 from data.tokenizer import check_vocab
 from model import build_model
 from quant import randomness
-from model.parallel import CUDA_GRAPH_MODES, materialize, parallelize
+from model.parallel import materialize, parallelize, replays_cuda_graphs
 from training.checkpoint import Checkpointer, check_fingerprint, config_fingerprint, read_extra
 from training.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed, shutdown
 from training.metrics import bf16_peak_flops, mfu, peak_memory_gib
@@ -84,13 +84,6 @@ def total_steps(cfg: DictConfig, non_embedding_params: int) -> int:
     return int(cfg.train.steps)
 
 
-def uses_cuda_graphs(cfg: DictConfig) -> bool:
-    """Whether the compiled blocks replay as CUDA graphs (``compile_mode``). Each optimizer step
-    and each validation batch then starts with ``torch.compiler.cudagraph_mark_step_begin()``:
-    the graph outputs of the call before are consumed and may be overwritten."""
-    return bool(cfg.compile) and cfg.compile_mode in CUDA_GRAPH_MODES
-
-
 @torch.no_grad()
 def evaluate(model, data_dir: Path, cfg: DictConfig, di: DistInfo, autocast: bool) -> float:
     """Mean validation loss over a fixed set of held-out batches (each rank takes its share)."""
@@ -98,8 +91,9 @@ def evaluate(model, data_dir: Path, cfg: DictConfig, di: DistInfo, autocast: boo
     losses = []
     batches = val_batches(data_dir, cfg.train.seq_len, cfg.train.eval_batch_size, cfg.train.eval_batches,
                           rank=di.rank, world_size=di.world_size)
+    graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode)
     for x, y in batches:
-        if uses_cuda_graphs(cfg):
+        if graphs:  # each validation batch: the last one's graph outputs are consumed
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(di.device.type, dtype=torch.bfloat16, enabled=autocast):
             losses.append(model(x.to(di.device), y.to(di.device)).float())
@@ -177,6 +171,7 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, preemption: Preempt
     parallelize(model, di.mesh, activation_checkpointing=cfg.parallel.activation_checkpointing,
                 ac_every=cfg.parallel.ac_every, compile=cfg.compile, compile_mode=cfg.compile_mode,
                 bf16_params=autocast)
+    graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode)
     materialize(model, device, cfg.seed)
     optimizer = build_adamw(model, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay, cfg.optim.eps)
     steps = total_steps(cfg, n_params)
@@ -238,7 +233,7 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, preemption: Preempt
             loss_sum = torch.zeros((), device=device)
             for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
                 quant.set_quant_step(step, micro)
-                if micro == 0 and uses_cuda_graphs(cfg):
+                if micro == 0 and graphs:
                     # Once per optimizer step: a later micro-step's replay would overwrite the
                     # graph outputs that the gradients being accumulated still are.
                     torch.compiler.cudagraph_mark_step_begin()

@@ -34,6 +34,12 @@ AC_MODES = ("none", "full", "selective")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 """``torch.compile`` modes that replay each compiled block as CUDA graphs (cudagraph trees)."""
+
+
+def replays_cuda_graphs(compile: bool, compile_mode: str) -> bool:
+    """Whether the compiled blocks replay as CUDA graphs. A model call whose predecessor's graph
+    outputs are consumed then starts with ``torch.compiler.cudagraph_mark_step_begin()``."""
+    return bool(compile) and compile_mode in CUDA_GRAPH_MODES
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -90,7 +96,7 @@ def parallelize(
     """
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile_mode {compile_mode!r}; choose one of {COMPILE_MODES}")
-    if compile and compile_mode in CUDA_GRAPH_MODES and mesh is not None:
+    if replays_cuda_graphs(compile, compile_mode) and mesh is not None:
         raise ValueError(
             f"compile_mode={compile_mode} replays the compiled blocks as CUDA graphs, which FSDP2's "
             f"collectives do not support. Fix: compile_mode=default (or max-autotune-no-cudagraphs) "

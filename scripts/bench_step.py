@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quant  # noqa: E402
 from model import build_model  # noqa: E402
-from model.parallel import CUDA_GRAPH_MODES, COMPILE_MODES, materialize, parallelize  # noqa: E402
+from model.parallel import COMPILE_MODES, materialize, parallelize, replays_cuda_graphs  # noqa: E402
 from scripts.cuda_graph import capture  # noqa: E402
 from training.metrics import bf16_peak_flops  # noqa: E402
 from training.optim import build_adamw  # noqa: E402
@@ -61,8 +61,10 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
     g = torch.Generator(device=device).manual_seed(0)
     tokens = torch.empty((args.batch, args.seq + 1), dtype=torch.long, device=device)
 
+    graphs = replays_cuda_graphs(args.compile, args.compile_mode)
+
     def step() -> torch.Tensor:
-        if args.compile and args.compile_mode in CUDA_GRAPH_MODES:
+        if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         # autocast's cast cache must be off inside a CUDA graph capture
         with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not args.cuda_graph):
