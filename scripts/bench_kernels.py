@@ -32,14 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.cuda_graph import capture  # noqa: E402
 
 
-# Tile configs tried by --sweep, per operand layout (see quant.kernels.ops._CONFIG). The column
-# layouts are the in-kernel column path's, which the GPU uses only with ops.TRANSPOSE_COLS off.
+# Tile configs tried by --sweep, per operand layout (see quant.kernels.ops._CONFIG). "cols_groups"
+# is the column path of the quantizers that hold whole groups per thread (ops.whole_groups); the
+# other column layouts are the in-kernel transpose's, which the GPU uses only with
+# ops.TRANSPOSE_COLS off.
 SWEEP = {
     "rows": [(16, 128, 4), (32, 128, 8), (64, 128, 8), (32, 128, 4), (8, 128, 2)],
     "rows_2d": [(16, 128, 8), (16, 128, 4), (16, 256, 8)],
     "rows_wide": [(4, 128, 1), (2, 256, 1), (8, 128, 1), (16, 128, 1)],
     "cols": [(32, 64, 4), (16, 128, 4), (32, 128, 8), (64, 32, 4)],
     "cols_wide": [(16, 128, 4), (32, 128, 8), (16, 128, 2), (32, 128, 4)],
+    "cols_groups": [(8, 128, 1), (4, 128, 1), (8, 256, 1)],
 }
 
 
@@ -197,10 +200,14 @@ def main() -> None:
         return s
 
     def layout(name: str, t: bool) -> str:
-        """The tile layout the op really uses (columns run the row kernels after the transpose)."""
+        """The tile layout the op really uses (columns of plain RTN and 16×16 tiles run the row
+        kernels after the transpose; the others load columns by slices)."""
         rotation = re.match(r"rht(\d+)", name)
-        return ops.layout_of(int(rotation.group(1)) if rotation else 0, t and not ops.TRANSPOSE_COLS,
-                             "16x16" in name)
+        rot = int(rotation.group(1)) if rotation else 0
+        tile2d = "16x16" in name
+        groups = ops.whole_groups("rtn_2d" if tile2d else "sr" if " sr" in f" {name}" else "rtn", rot,
+                                  "4/6" in name)
+        return ops.layout_of(rot, t and (groups or not ops.TRANSPOSE_COLS), tile2d, groups)
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
     if a.sweep is not None:

@@ -57,12 +57,13 @@ def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "phil
     bm, bk, warps = tile
     t_t, t_b = ops._targets(mode, four_six)
     meta = ops.tile_meta(bm, max(bk, rot), rot, mode == "rtn_2d")
+    groups = ops.whole_groups(mode, rot, four_six)
     consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, COLS=cols, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=int(draws == "philox"), WRITE_VALUES=True, PACK=True,
-                  POSTHOC=posthoc, TILES=ops._tiles_per_program(rot, cols, mode == "rtn_2d"),
-                  EVEN=True, **meta,
+                  POSTHOC=posthoc, TILES=ops._tiles_per_program(rot, cols, mode == "rtn_2d", groups),
+                  EVEN=True, GROUPS=groups, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel
     index = {a: i for i, a in enumerate(fn.arg_names)}
@@ -119,7 +120,9 @@ def main() -> None:
             if a.tiles:
                 tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles]
             else:
-                tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols", KERNELS[name][0] == "rtn_2d")]]
+                mode, _, four_six, _ = KERNELS[name]
+                tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols", mode == "rtn_2d",
+                                                   ops.whole_groups(mode, rot, four_six))]]
             for tile in tiles:
                 r = report(name, tile, dim == "cols", a.draws)
                 if rows is None:

@@ -62,10 +62,11 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
 # tile at import.
 _CONFIG = {"rows": (16, 128, 4), "rows_2d": (16, 128, 8), "rows_wide": (4, 128, 1),
-           "cols": (32, 64, 4), "cols_wide": (16, 128, 4), "interpret": (128, 256, 4)}
+           "cols": (32, 64, 4), "cols_wide": (16, 128, 4), "cols_groups": (8, 128, 1),
+           "interpret": (128, 256, 4)}
 
 
-_TILES_PER_PROGRAM = {"rows_wide": 4, "interpret": 2}
+_TILES_PER_PROGRAM = {"rows_wide": 4, "cols_groups": 4, "interpret": 2}
 """Consecutive tiles (along K, then M) that one program of ``quant_kernel`` quantizes in a loop,
 per layout (default 1: a 2-D grid of one tile per program). Looping puts the Hadamard signs, the
 Philox key and the post hoc ``atomic_max`` once per program. It pays for the one-warp tiles of
@@ -100,39 +101,54 @@ def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
         raise ValueError(f"unknown layout {layout!r}; one of {sorted(_CONFIG)}")
     if bk % GROUP or bm & (bm - 1) or bk & (bk - 1) or num_warps & (num_warps - 1):
         raise ValueError("BM, BK and the warps must be powers of two, BK a multiple of 16")
-    if layout.startswith("cols") and bm < GROUP:
+    if layout in ("cols", "cols_wide") and bm < GROUP:
         raise ValueError(f"column layouts need BM >= {GROUP} (whole 16-groups of a packed row)")
     _CONFIG[layout] = (bm, bk, num_warps)
 
 
-def layout_of(rot: int, cols: bool, tile2d: bool = False) -> str:
+def whole_groups(mode: str, rot: int, four_over_six: bool) -> bool:
+    """Whether ``quant_kernel`` holds each 16-group in one thread's registers (its ``GROUPS``):
+    the compute-bound quantizers (SR, 4/6, the rotations, MS-EDEN), whose per-group work then
+    needs no exchange between lanes; such an operand read across memory rows is loaded by
+    slices joined in registers (``_load_groups_cols``), with no transpose. Plain RTN is bound
+    by memory transactions, which contiguous 8-element vectors across lanes keep fewer, and
+    16×16 tiles span 16 rows."""
+    return (rot > 0 or four_over_six or mode != "rtn") and mode != "rtn_2d"
+
+
+def layout_of(rot: int, cols: bool, tile2d: bool = False, groups: bool = False) -> str:
     """The ``_CONFIG`` layout of an operand rotated in chunks of ``rot`` (0: none), read along its
-    memory rows or across them (``cols``), with 16×16 scale tiles (``tile2d``: BM is 16)."""
+    memory rows or across them (``cols``), with 16×16 scale tiles (``tile2d``: BM is 16), with
+    whole 16-groups per thread (``groups``, :func:`whole_groups`)."""
     if cols:
+        if groups:
+            return "cols_groups"
         return "cols" if rot <= GROUP else "cols_wide"
     if tile2d:
         return "rows_2d"
     return "rows_wide" if rot >= 32 else "rows"
 
 
-def _layout_in_use(rot: int = 0, cols: bool = False, tile2d: bool = False) -> str:
+def _layout_in_use(rot: int = 0, cols: bool = False, tile2d: bool = False,
+                   groups: bool = False) -> str:
     """The key of ``_CONFIG`` and ``_TILES_PER_PROGRAM`` that an operand uses here: its
     :func:`layout_of`, or ``interpret`` under the interpreter."""
-    return "interpret" if _INTERPRET else layout_of(rot, cols, tile2d)
+    return "interpret" if _INTERPRET else layout_of(rot, cols, tile2d, groups)
 
 
-def _config(rot: int = 0, cols: bool = False, tile2d: bool = False) -> tuple[int, int, int]:
+def _config(rot: int = 0, cols: bool = False, tile2d: bool = False,
+            groups: bool = False) -> tuple[int, int, int]:
     """(BM, BK, num_warps) for an operand rotated in chunks of ``rot`` (0: none)."""
-    bm, bk, nw = _CONFIG[_layout_in_use(rot, cols, tile2d)]
+    bm, bk, nw = _CONFIG[_layout_in_use(rot, cols, tile2d, groups)]
     return bm, max(bk, rot), nw
 
 
-def _tiles_per_program(rot: int, cols: bool, tile2d: bool = False) -> int:
+def _tiles_per_program(rot: int, cols: bool, tile2d: bool = False, groups: bool = False) -> int:
     """:data:`_TILES_PER_PROGRAM` of an operand's layout (or ``NVFP4_TILES_PER_PROGRAM``)."""
     env = os.environ.get("NVFP4_TILES_PER_PROGRAM")
     if env:
         return int(env)
-    return _TILES_PER_PROGRAM.get(_layout_in_use(rot, cols, tile2d), 1)
+    return _TILES_PER_PROGRAM.get(_layout_in_use(rot, cols, tile2d, groups), 1)
 
 
 for _layout in list(_CONFIG):
@@ -195,11 +211,12 @@ def tile_meta(bm: int, bk: int, rot: int, tile2d: bool = False) -> dict:
     return dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r, LOG_R=int(math.log2(r)) if rot else 0)
 
 
-def _tiling(rot: int, cols: bool, tile2d: bool = False) -> tuple[dict, int, int, int]:
+def _tiling(rot: int, cols: bool, tile2d: bool = False,
+            groups: bool = False) -> tuple[dict, int, int, int]:
     """Tile meta-parameters (:func:`tile_meta`), BK, num_warps and tiles per program of an
     operand."""
-    bm, bk, nw = _config(rot, cols, tile2d)
-    return tile_meta(bm, bk, rot, tile2d), bk, nw, _tiles_per_program(rot, cols, tile2d)
+    bm, bk, nw = _config(rot, cols, tile2d, groups)
+    return tile_meta(bm, bk, rot, tile2d), bk, nw, _tiles_per_program(rot, cols, tile2d, groups)
 
 
 def _is_cols(src: int, stride_k: int, pt: bool) -> bool:
@@ -263,12 +280,12 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     if M == 0 or Kd == 0:
         return out
-    cols = _is_cols(src, sk, pt)
-    meta, bk, nw, tiles = _tiling(rot, cols)
+    cols = _is_cols(src, sk, pt)  # a column operand is read by slices (whole_groups)
+    meta, bk, nw, tiles = _tiling(rot, cols, groups=cols)
     _launch(K.amax_kernel, _grid(M, Kd, meta["BM"], bk, tiles), x, x_scales if x_scales is not None else x,
             in_scale if in_scale is not None else out, signs if signs is not None else out, out,
             M, Kd, sm, sk, pc, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None, ROT=rot,
-            INV_SQRT=inv, EVEN=_whole_tiles(M, Kd, meta["BM"], bk), TILES=tiles, num_warps=nw,
+            INV_SQRT=inv, EVEN=_whole_tiles(M, Kd, meta["BM"], bk), GROUPS=cols, TILES=tiles, num_warps=nw,
             **meta)
     return out
 
@@ -289,13 +306,14 @@ first (session 5; docs/performance.md). The interpreter uses the column path."""
 _TRANSPOSE_TILE = (64, 64, 4)
 
 
-def _rows_operand(x, x_scales, src, transpose):
+def _rows_operand(x, x_scales, src, transpose, groups):
     """``(x, x_scales, src, transpose)`` to quantize and its :func:`_operand` geometry: a column
     operand becomes its contiguous transpose under :data:`TRANSPOSE_COLS` (packed sources as
-    their exact BF16 values)."""
+    their exact BF16 values) unless its quantizer holds whole groups per thread (``groups``,
+    :func:`whole_groups`), which loads columns directly."""
     geometry = _operand(x, src, transpose)
     M, Kd, sm, sk, pc, pt = geometry
-    if not TRANSPOSE_COLS or not _is_cols(src, sk, pt):
+    if not TRANSPOSE_COLS or groups or not _is_cols(src, sk, pt):
         return x, x_scales, src, transpose, geometry
     out = torch.empty((M, Kd), dtype=x.dtype if src == SRC_DENSE else torch.bfloat16, device=x.device)
     if M and Kd:
@@ -308,8 +326,10 @@ def _rows_operand(x, x_scales, src, transpose):
 
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
-    x, x_scales, src, transpose, (M, Kd, sm, sk, pc, pt) = _rows_operand(x, x_scales, src, transpose)
     rot, inv, signs = _rotation(signs)
+    groups = whole_groups(mode, rot, four_over_six)
+    x, x_scales, src, transpose, (M, Kd, sm, sk, pc, pt) = _rows_operand(x, x_scales, src, transpose,
+                                                                         groups)
     _check(M, Kd, mode, rot)
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
@@ -344,7 +364,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     if M and Kd:
         t_t, t_b = _targets(mode, four_over_six)
         cols = _is_cols(src, sk, pt)
-        meta, bk, nw, tiles = _tiling(rot, cols, mode == "rtn_2d")
+        meta, bk, nw, tiles = _tiling(rot, cols, mode == "rtn_2d", groups)
         grid = _grid(M, Kd, meta["BM"], bk, tiles)
         dummy = st
         u_arg = uniforms if uniforms is not None else dummy
@@ -358,7 +378,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
                 TILE2D=mode == "rtn_2d", RAND=rand, WRITE_VALUES=values,
                 PACK=codes_out, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
-                TILES=tiles, num_warps=nw, **meta)
+                GROUPS=groups, TILES=tiles, num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             _launch(K.eden_align_kernel, (_cdiv(M, bm), _cdiv(Kd // GROUP, g)),

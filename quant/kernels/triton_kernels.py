@@ -390,7 +390,10 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
     ``NVFP4Tensor.scaled_values``. COLS: ``A`` is read across memory rows (``A = Xᵀ`` or
     ``A = Pᵀ``, :func:`_load_tile_cols`).
     """
-    if COLS:
+    if COLS and GROUPS:
+        x = _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C, SRC,
+                              EVEN, BM, CH, R)
+    elif COLS:
         x = tl.reshape(_load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
                                        SRC, BM, CH * R * 16), (BM, CH, R, 16))
     else:
@@ -426,6 +429,55 @@ def _load_groups(ptr, pid_m, pid_k, M, K, stride_m, stride_k, EVEN: tl.constexpr
 
 
 @triton.jit
+def _col_slice(x_ptr, xs_ptr, m, k, M, K, stride_m, stride_k, P_C, SRC: tl.constexpr,
+               EVEN: tl.constexpr):
+    """FP32 ``A[m, k]`` for index tensors ``m``, ``k`` of one shape, of an operand read across
+    memory rows: dense (``A = Xᵀ`` through strides) or packed (``A = Pᵀ``: k runs over the
+    packed tensor's rows and m over its codes, ``q · s_block`` exact). Masked elements are 0."""
+    mask = ((m < M) & (k < K)) | EVEN
+    if SRC == 0:
+        v = tl.load(x_ptr + m * stride_m + k * stride_k, mask=mask, other=0.0).to(tl.float32)
+    else:
+        byte = tl.load(x_ptr + k * (P_C // 2) + m // 2, mask=mask, other=0).to(tl.int32)
+        v = (_e2m1_value((byte >> ((m % 2) * 4)) & 15)
+             * _packed_scales(xs_ptr, k, m // 16, mask, P_C, SRC))
+    return v
+
+
+@triton.jit
+def _col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC: tl.constexpr,
+              EVEN: tl.constexpr, J: tl.constexpr):
+    """``[..., 2, 2]`` whose entry ``(b3, b2)`` is the column slice ``A[m, kb + J + 8·b3 + 4·b2]``
+    (:func:`_load_groups_cols`)."""
+    a = tl.join(_col_slice(x_ptr, xs_ptr, m, kb + J, M, K, stride_m, stride_k, P_C, SRC, EVEN),
+                _col_slice(x_ptr, xs_ptr, m, kb + (J + 8), M, K, stride_m, stride_k, P_C, SRC, EVEN))
+    b = tl.join(_col_slice(x_ptr, xs_ptr, m, kb + (J + 4), M, K, stride_m, stride_k, P_C, SRC, EVEN),
+                _col_slice(x_ptr, xs_ptr, m, kb + (J + 12), M, K, stride_m, stride_k, P_C, SRC, EVEN))
+    return tl.join(a, b)
+
+
+@triton.jit
+def _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
+                      SRC: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
+                      R: tl.constexpr):
+    """The FP32 tile ``[BM, CH, R, 16]`` of an operand read across memory rows, with each
+    16-group in one thread's registers and no on-chip transpose: the 16 elements ``j`` of the
+    groups are 16 slices ``[BM, CH, R]``, each loaded along memory rows (``m``, coalesced), and
+    joined in registers (``tl.join`` adds its new axis within each thread). Joined as
+    ``((j, j+8), (j+4, j+12))`` for ``j = 0, 2`` and ``1, 3``, the tile's last axes are the bits
+    of j from the highest, so the reshape is the identity on each thread's registers. The rest
+    of the quantization is the row layout's (:func:`_load_groups`)."""
+    m = pid_m * BM + tl.arange(0, BM)[:, None, None]
+    kb = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None] * (R * 16)
+          + tl.arange(0, R)[None, None, :] * 16)
+    lo = tl.join(_col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, 0),
+                 _col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, 2))
+    hi = tl.join(_col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, 1),
+                 _col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, 3))
+    return tl.reshape(tl.join(lo, hi), (BM, CH, R, 16))
+
+
+@triton.jit
 def _store_groups(ptr, v, pid_m, pid_k, M, K, EVEN: tl.constexpr, BM: tl.constexpr,
                   CH: tl.constexpr, R: tl.constexpr):
     """Store a tile ``[BM, CH, R, 16]`` (row-major ``M × K`` at ``ptr``) as the two halves of
@@ -453,7 +505,8 @@ def _atomic_max_nonneg(ptr, v):
 @triton.jit
 def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, stride_k, P_C,
                 SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr, TILES: tl.constexpr,
+                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
+                GROUPS: tl.constexpr, TILES: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """``amax_ptr[0] = max(amax_ptr[0], max |A|)`` over this program's tiles (amax_ptr starts
     at 0; TILES consecutive tiles per program as :func:`quant_kernel`). The rotation's ``1/√h``
@@ -467,23 +520,23 @@ def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, s
         for t in tl.range(first, tl.minimum(first + TILES, tl.cdiv(M, BM) * n_k)):
             amax = tl.maximum(amax, _tile_absmax(
                 x_ptr, sgm, xs_ptr, scale_ptr, t // n_k, t % n_k, M, K, stride_m, stride_k, P_C,
-                SRC, COLS, HAS_SCALE, ROT, EVEN, BM, CH, R, LOG_R))
+                SRC, COLS, HAS_SCALE, ROT, EVEN, GROUPS, BM, CH, R, LOG_R))
     else:
         amax = _tile_absmax(x_ptr, sgm, xs_ptr, scale_ptr, tl.program_id(0), tl.program_id(1), M,
-                            K, stride_m, stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, EVEN, BM, CH, R,
-                            LOG_R)
+                            K, stride_m, stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, EVEN, GROUPS, BM,
+                            CH, R, LOG_R)
     _atomic_max_nonneg(amax_ptr, amax * INV_SQRT)
 
 
 @triton.jit
 def _tile_absmax(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
                  SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 ROT: tl.constexpr, EVEN: tl.constexpr,
+                 ROT: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """``max |A_tile|`` of one tile, rotated without the ``1/√h`` (:func:`amax_kernel`)."""
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
-                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, 1.0, EVEN, False, BM, CH, R, LOG_R)
+                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, 1.0, EVEN, GROUPS, BM, CH, R, LOG_R)
     return tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0)
 
 
@@ -535,7 +588,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                  ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                  MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                  RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
-                 POSTHOC: tl.constexpr, EVEN: tl.constexpr, TILES: tl.constexpr,
+                 POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
+                 TILES: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """Quantize one tile of ``A`` along K (see the module docstring).
 
@@ -566,13 +620,13 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                 x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
                 sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream, t // n_k, t % n_k,
                 T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE, FOUR_SIX, TILE2D,
-                RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, BM, CH, R, LOG_R))
+                RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R))
     else:
         cmax = _quant_tile(
             x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
             sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream,
             tl.program_id(0), tl.program_id(1), T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE,
-            FOUR_SIX, TILE2D, RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, BM, CH, R, LOG_R)
+            FOUR_SIX, TILE2D, RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R)
     if POSTHOC:
         _atomic_max_nonneg(amax_ptr, cmax)
 
@@ -585,15 +639,11 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
                 ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                 MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                 RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
-                POSTHOC: tl.constexpr, EVEN: tl.constexpr,
+                POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """One tile of :func:`quant_kernel`; returns its largest corrected scale (POSTHOC, else 0)."""
     cmax = 0.0
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
-    # Compute-bound quantizers hold whole 16-groups per thread (_load_groups, _store_groups;
-    # rotations get that layout from their signs anyway); plain RTN is bound by memory
-    # transactions, which contiguous 8-element vectors across lanes keep fewer.
-    GROUPS: tl.constexpr = (ROT > 0 or FOUR_SIX or MODE != 0) and not TILE2D
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, GROUPS, BM, CH, R,
                    LOG_R)
