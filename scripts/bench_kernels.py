@@ -4,12 +4,15 @@
     python scripts/bench_kernels.py --sweep              # try the SWEEP tile shapes of every layout
     python scripts/bench_kernels.py --sweep rows_wide --only eden   # one layout, some kernels
 
-Every kernel quantizes a BF16 ``M × K`` input along its rows (``A = X``) or its columns
-(``A = Xᵀ``: on the GPU the transpose pass of ``quant.kernels.ops.TRANSPOSE_COLS``, then the row
-kernel, whose tile the table shows). Time = the whole op: the amax pass (reads X, rotating it
-when the quantizer rotates) and the quantization pass (reads X again, writes BF16 values and,
-when ``pack``, the 4.5-bit form), plus the transpose for columns. Bytes = what the amax and
-quantization passes move (the transpose's extra read and write are not counted):
+Every kernel quantizes a BF16 ``M × K`` input (or, for the ``packed source`` cases, its packed
+RTN+4/6 form, as the backward reads the saved X̂) along its rows (``A = X``) or its columns
+(``A = Xᵀ``: for the quantizers of ``quant.kernels.ops.whole_groups`` on dense sources, loaded
+by slices, ``ops.SLICED_COLS``; otherwise on the GPU the transpose pass of
+``ops.TRANSPOSE_COLS``, then the row kernel). The table shows the tile of the kernel that
+quantizes. Time = the whole op: the amax pass (reads X, rotating it when the quantizer rotates)
+and the quantization pass (reads X again, writes BF16 values and, when ``pack``, the 4.5-bit
+form), plus the transpose where there is one. Bytes = what the amax and quantization passes move
+(a transpose's extra read and write are not counted):
 ``2·|X|`` read + values (+ packed codes and scales) written (post hoc MS-EDEN: one read of X,
 its values, codes and corrected scales written, the corrected scales read back). The table gives the achieved
 bandwidth as a fraction of the measured device-to-device copy bandwidth (``clone`` of the same
@@ -43,6 +46,7 @@ SWEEP = {
     "cols": [(32, 64, 4), (16, 128, 4), (32, 128, 8), (64, 32, 4)],
     "cols_wide": [(16, 128, 4), (32, 128, 8), (16, 128, 2), (32, 128, 4)],
     "cols_groups": [(8, 128, 1), (4, 128, 1), (8, 256, 1)],
+    "cols_eden": [(8, 128, 1), (4, 128, 1)],
 }
 
 
@@ -88,6 +92,14 @@ def cases(x: torch.Tensor):
     # the rare groups whose values depend on the tensor scale rewritten)
     amax_bytes, packed_bytes = 6.0, 6.0 + 0.5625
     posthoc_bytes = 2 + 2 + 0.75 + 0.25
+    # packed sources (the saved X̂ and Ŵ of quartet2 and tetrajet_v2): 0.5625 bytes read per
+    # element instead of 2 (twice with an amax pass)
+    _, codes, scales, st, _ = K.rtn(x, False, True, None, True)
+    codes, scales = codes.contiguous(), scales.view(torch.uint8).contiguous()
+
+    def from_packed(t, mode, signs, posthoc=False):
+        return K.quantize_operand(codes, scales, 1, t, st, signs, None, None, seed, 0, mode, False,
+                                  True, False, posthoc)
     return [
         ("rtn 1x16", 0.75, lambda t: K.rtn(x, t, False, None, True), packed_bytes),
         ("rtn 1x16 + 4/6", 0.75, lambda t: K.rtn(x, t, True, None, True), packed_bytes),
@@ -101,6 +113,10 @@ def cases(x: torch.Tensor):
          lambda t: K.rht_ms_eden(x, s128, t, None, seed, None, False), amax_bytes),
         ("rht128 + ms-eden, post hoc (quartet2)", 0.60,
          lambda t: K.rht_ms_eden(x, s128, t, None, seed, None, False, posthoc=True), posthoc_bytes),
+        ("rht32 + sr, packed source (tetrajet_v2 X̂ᵀ)", 0.60,
+         lambda t: from_packed(t, "sr", s32), amax_bytes - 4 + 2 * 0.5625),
+        ("rht128 + ms-eden, post hoc, packed source (quartet2 X̂ᵀ)", 0.60,
+         lambda t: from_packed(t, "ms_eden", s128, True), posthoc_bytes - 2 + 0.5625),
     ]
 
 
@@ -207,7 +223,8 @@ def main() -> None:
         tile2d = "16x16" in name
         groups = ops.whole_groups("rtn_2d" if tile2d else "sr" if " sr" in f" {name}" else "rtn", rot,
                                   "4/6" in name)
-        return ops.layout_of(rot, t and (groups or not ops.TRANSPOSE_COLS), tile2d, groups)
+        sliced = groups and (ops.SRC_PACKED if "packed" in name else ops.SRC_DENSE) in ops.SLICED_COLS
+        return ops.layout_of(rot, t and (sliced or not ops.TRANSPOSE_COLS), tile2d, sliced, "eden" in name)
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
     if a.sweep is not None:

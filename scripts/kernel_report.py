@@ -62,7 +62,8 @@ def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "phil
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=int(draws == "philox"), WRITE_VALUES=True, PACK=True,
-                  POSTHOC=posthoc, TILES=ops._tiles_per_program(rot, cols, mode == "rtn_2d", groups),
+                  POSTHOC=posthoc,
+                  TILES=ops._tiles_per_program(rot, cols, mode == "rtn_2d", groups, mode == "ms_eden"),
                   EVEN=True, GROUPS=groups, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel
@@ -122,7 +123,8 @@ def main() -> None:
             else:
                 mode, _, four_six, _ = KERNELS[name]
                 tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols", mode == "rtn_2d",
-                                                   ops.whole_groups(mode, rot, four_six))]]
+                                                   ops.whole_groups(mode, rot, four_six),
+                                                   mode == "ms_eden")]]
             for tile in tiles:
                 r = report(name, tile, dim == "cols", a.draws)
                 if rows is None:

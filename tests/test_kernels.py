@@ -287,11 +287,13 @@ def test_packed_source(tile, transpose):
 @pytest.mark.parametrize("via_transpose", [False, True])
 @pytest.mark.parametrize("source", ["dense", "strided", "packed", "packed_2d"])
 def test_rotated_columns(source, via_transpose, monkeypatch):
-    """Rotated operands read across memory rows (Eᵀ, X̂ᵀ in wgrad; Ŵᵀ in dgrad), loaded in
-    memory order and transposed on chip by the quantization kernel or first made contiguous by
-    the transpose kernel (``ops.TRANSPOSE_COLS``): the reference's result for dense,
+    """Rotated operands read across memory rows (Eᵀ, X̂ᵀ in wgrad; Ŵᵀ in dgrad), loaded by
+    row-wise slices joined in registers (``ops.SLICED_COLS``) or first made contiguous by the
+    transpose kernel (``ops.TRANSPOSE_COLS``): the reference's result for dense,
     non-contiguous and packed (1×16 and 16×16) sources, with a ragged token count."""
     monkeypatch.setattr(kops, "TRANSPOSE_COLS", via_transpose)
+    monkeypatch.setattr(kops, "SLICED_COLS", frozenset() if via_transpose else
+                        frozenset({kops.SRC_DENSE, kops.SRC_PACKED, kops.SRC_PACKED_2D}))
     x = _data((160, 144), seed=31)
     signs = random_signs(16, torch.Generator().manual_seed(32), "cpu")
     u = torch.rand(144, 160, generator=torch.Generator().manual_seed(33))

@@ -55,15 +55,19 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # across groups stay inside one warp only when a warp's lanes cover the rows and groups of its
 # tile (each thread then holds one 16-group); "cols": A = Xᵀ (or a transposed packed tensor),
 # loaded in memory order ``[BK, BM]`` and transposed on chip, BM ≥ 16 (a packed tile holds whole
-# 16-groups of its rows); "cols_wide": the same for rotations over 16. (On the GPU column
-# operands are transposed first and use the row layouts: the column layouts serve only with
-# TRANSPOSE_COLS off.) BK must be a multiple of the rotation size (it is raised to it). The
+# 16-groups of its rows); "cols_wide": the same for rotations over 16 (on the GPU these column
+# operands are transposed first and use the row layouts: these two layouts serve only with
+# TRANSPOSE_COLS off); "cols_groups": A read across memory rows by the whole-group quantizers,
+# loaded by row-wise slices (``_load_groups_cols``: a warp's lanes cover 4 pairs of rows and
+# the 8 groups of a 128-chunk, each thread holds two rows' groups), and "cols_eden", the same
+# tile for MS-EDEN, which takes one tile per program. BK must be a multiple of the rotation
+# size (it is raised to it). The
 # interpreter runs ~8 ms per program instance, so it gets large tiles.
 # ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
 # tile at import.
 _CONFIG = {"rows": (16, 128, 4), "rows_2d": (16, 128, 8), "rows_wide": (4, 128, 1),
            "cols": (32, 64, 4), "cols_wide": (16, 128, 4), "cols_groups": (8, 128, 1),
-           "interpret": (128, 256, 4)}
+           "cols_eden": (8, 128, 1), "interpret": (128, 256, 4)}
 
 
 _TILES_PER_PROGRAM = {"rows_wide": 4, "cols_groups": 4, "interpret": 2}
@@ -73,8 +77,11 @@ Philox key and the post hoc ``atomic_max`` once per program. It pays for the one
 the wide rotations: post hoc MS-EDEN 16384×4096 on the H200 (session 6, two runs each) took
 174.3 / 173.6 µs with 1 tile per program and 162.3 / 162.5 with 4 (rows; 8 and 32 were slower
 than 4 in another run), RHT32+SR the same (287 / 288 µs); the 4-warp RTN and 4/6 tiles gained
-nothing. The interpreter runs 2, so that the loop and a program's partial last group are
-tested. ``NVFP4_TILES_PER_PROGRAM`` overrides every layout."""
+nothing. The sliced columns (session 8, 16384×4096 columns): 4 tiles per program for SR, 4/6 and
+RHT16/32 (RHT16+RTN 202.6 µs against 214.6 with 1, RHT16+SR 246–251 against 265.5, RTN+4/6 269.3
+against 303.1), 1 for MS-EDEN (post hoc 177.2–177.8 µs against 198.1–198.3 with 4). The
+interpreter runs 2, so that the loop and a program's partial last group are tested.
+``NVFP4_TILES_PER_PROGRAM`` overrides every layout."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -116,13 +123,15 @@ def whole_groups(mode: str, rot: int, four_over_six: bool) -> bool:
     return (rot > 0 or four_over_six or mode != "rtn") and mode != "rtn_2d"
 
 
-def layout_of(rot: int, cols: bool, tile2d: bool = False, groups: bool = False) -> str:
+def layout_of(rot: int, cols: bool, tile2d: bool = False, groups: bool = False,
+              eden: bool = False) -> str:
     """The ``_CONFIG`` layout of an operand rotated in chunks of ``rot`` (0: none), read along its
     memory rows or across them (``cols``), with 16×16 scale tiles (``tile2d``: BM is 16), with
-    whole 16-groups per thread (``groups``, :func:`whole_groups`)."""
+    whole 16-groups per thread (``groups``, :func:`whole_groups`), quantized by MS-EDEN
+    (``eden``: its sliced columns take one tile per program)."""
     if cols:
         if groups:
-            return "cols_groups"
+            return "cols_eden" if eden else "cols_groups"
         return "cols" if rot <= GROUP else "cols_wide"
     if tile2d:
         return "rows_2d"
@@ -130,25 +139,26 @@ def layout_of(rot: int, cols: bool, tile2d: bool = False, groups: bool = False) 
 
 
 def _layout_in_use(rot: int = 0, cols: bool = False, tile2d: bool = False,
-                   groups: bool = False) -> str:
+                   groups: bool = False, eden: bool = False) -> str:
     """The key of ``_CONFIG`` and ``_TILES_PER_PROGRAM`` that an operand uses here: its
     :func:`layout_of`, or ``interpret`` under the interpreter."""
-    return "interpret" if _INTERPRET else layout_of(rot, cols, tile2d, groups)
+    return "interpret" if _INTERPRET else layout_of(rot, cols, tile2d, groups, eden)
 
 
 def _config(rot: int = 0, cols: bool = False, tile2d: bool = False,
-            groups: bool = False) -> tuple[int, int, int]:
+            groups: bool = False, eden: bool = False) -> tuple[int, int, int]:
     """(BM, BK, num_warps) for an operand rotated in chunks of ``rot`` (0: none)."""
-    bm, bk, nw = _CONFIG[_layout_in_use(rot, cols, tile2d, groups)]
+    bm, bk, nw = _CONFIG[_layout_in_use(rot, cols, tile2d, groups, eden)]
     return bm, max(bk, rot), nw
 
 
-def _tiles_per_program(rot: int, cols: bool, tile2d: bool = False, groups: bool = False) -> int:
+def _tiles_per_program(rot: int, cols: bool, tile2d: bool = False, groups: bool = False,
+                       eden: bool = False) -> int:
     """:data:`_TILES_PER_PROGRAM` of an operand's layout (or ``NVFP4_TILES_PER_PROGRAM``)."""
     env = os.environ.get("NVFP4_TILES_PER_PROGRAM")
     if env:
         return int(env)
-    return _TILES_PER_PROGRAM.get(_layout_in_use(rot, cols, tile2d, groups), 1)
+    return _TILES_PER_PROGRAM.get(_layout_in_use(rot, cols, tile2d, groups, eden), 1)
 
 
 for _layout in list(_CONFIG):
@@ -211,12 +221,13 @@ def tile_meta(bm: int, bk: int, rot: int, tile2d: bool = False) -> dict:
     return dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r, LOG_R=int(math.log2(r)) if rot else 0)
 
 
-def _tiling(rot: int, cols: bool, tile2d: bool = False,
-            groups: bool = False) -> tuple[dict, int, int, int]:
+def _tiling(rot: int, cols: bool, tile2d: bool = False, groups: bool = False,
+            eden: bool = False) -> tuple[dict, int, int, int]:
     """Tile meta-parameters (:func:`tile_meta`), BK, num_warps and tiles per program of an
     operand."""
-    bm, bk, nw = _config(rot, cols, tile2d, groups)
-    return tile_meta(bm, bk, rot, tile2d), bk, nw, _tiles_per_program(rot, cols, tile2d, groups)
+    bm, bk, nw = _config(rot, cols, tile2d, groups, eden)
+    return (tile_meta(bm, bk, rot, tile2d), bk, nw,
+            _tiles_per_program(rot, cols, tile2d, groups, eden))
 
 
 def _is_cols(src: int, stride_k: int, pt: bool) -> bool:
@@ -297,23 +308,37 @@ def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool, codes: boo
 
 TRANSPOSE_COLS = not _INTERPRET and os.environ.get("NVFP4_TRANSPOSE_COLS", "1") != "0"
 """On the GPU (``NVFP4_TRANSPOSE_COLS=0`` turns it off), quantize an operand read across memory
-rows (``A = Xᵀ``, or a transposed packed tensor) from a contiguous ``A`` made by
-:func:`transpose_kernel` (one coalesced read and write) rather than in the quantization kernels'
-column path. Both give the same bits (tests run both). With triton 3.6 on the H200 the column
-path's tile transpose costs more than the pass: over the ten kernels of
-``scripts/bench_kernels.py`` at their best column tiles, 4742 µs against 2975 µs transposing
-first (session 5; docs/performance.md). The interpreter uses the column path."""
+rows (``A = Xᵀ``, or a transposed packed tensor) that is not loaded by slices (:data:`SLICED_COLS`)
+from a contiguous ``A`` made by :func:`transpose_kernel` (one coalesced read and write) rather
+than in the quantization kernels' on-chip transpose. Both give the same bits (tests run both).
+With triton 3.6 on the H200 the on-chip transpose costs more than the pass: over the ten kernels
+of ``scripts/bench_kernels.py`` at their best column tiles, 4742 µs against 2975 µs transposing
+first (session 5; docs/performance.md). The interpreter uses the kernels' column paths."""
 _TRANSPOSE_TILE = (64, 64, 4)
+
+_SOURCE_NAMES = {"dense": SRC_DENSE, "packed": SRC_PACKED, "packed_2d": SRC_PACKED_2D}
+SLICED_COLS = frozenset(_SOURCE_NAMES[n] for n in
+                        os.environ.get("NVFP4_SLICED_COLS", "dense").split(",") if n)
+"""Source kinds whose column operands, under a quantizer that holds whole groups per thread
+(:func:`whole_groups`), the quantization kernel loads by row-wise slices joined in registers
+(``_load_groups_cols``: no transpose pass, no on-chip transpose); the others are transposed
+first under :data:`TRANSPOSE_COLS` (without it, whole-group quantizers load every column
+operand by slices). ``NVFP4_SLICED_COLS`` (comma-separated ``dense``, ``packed``,
+``packed_2d``; empty for none) overrides it."""
+
+
+def _transposes_first(src: int, cols: bool, groups: bool) -> bool:
+    """Whether an operand is made contiguous by :func:`transpose_kernel` before quantizing."""
+    return cols and TRANSPOSE_COLS and not (groups and src in SLICED_COLS)
 
 
 def _rows_operand(x, x_scales, src, transpose, groups):
     """``(x, x_scales, src, transpose)`` to quantize and its :func:`_operand` geometry: a column
-    operand becomes its contiguous transpose under :data:`TRANSPOSE_COLS` (packed sources as
-    their exact BF16 values) unless its quantizer holds whole groups per thread (``groups``,
-    :func:`whole_groups`), which loads columns directly."""
+    operand that :func:`_transposes_first` becomes its contiguous transpose (packed sources as
+    their exact BF16 values)."""
     geometry = _operand(x, src, transpose)
     M, Kd, sm, sk, pc, pt = geometry
-    if not TRANSPOSE_COLS or groups or not _is_cols(src, sk, pt):
+    if not _transposes_first(src, _is_cols(src, sk, pt), groups):
         return x, x_scales, src, transpose, geometry
     out = torch.empty((M, Kd), dtype=x.dtype if src == SRC_DENSE else torch.bfloat16, device=x.device)
     if M and Kd:
@@ -364,7 +389,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     if M and Kd:
         t_t, t_b = _targets(mode, four_over_six)
         cols = _is_cols(src, sk, pt)
-        meta, bk, nw, tiles = _tiling(rot, cols, mode == "rtn_2d", groups)
+        meta, bk, nw, tiles = _tiling(rot, cols, mode == "rtn_2d", groups, mode == "ms_eden")
         grid = _grid(M, Kd, meta["BM"], bk, tiles)
         dummy = st
         u_arg = uniforms if uniforms is not None else dummy

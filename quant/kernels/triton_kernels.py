@@ -429,30 +429,39 @@ def _load_groups(ptr, pid_m, pid_k, M, K, stride_m, stride_k, EVEN: tl.constexpr
 
 
 @triton.jit
-def _col_slice(x_ptr, xs_ptr, m, k, M, K, stride_m, stride_k, P_C, SRC: tl.constexpr,
-               EVEN: tl.constexpr):
-    """FP32 ``A[m, k]`` for index tensors ``m``, ``k`` of one shape, of an operand read across
-    memory rows: dense (``A = Xᵀ`` through strides) or packed (``A = Pᵀ``: k runs over the
-    packed tensor's rows and m over its codes, ``q · s_block`` exact). Masked elements are 0."""
-    mask = ((m < M) & (k < K)) | EVEN
+def _col_slice(x_ptr, xs_ptr, pid_m, k, M, K, stride_m, stride_k, P_C, SRC: tl.constexpr,
+               EVEN: tl.constexpr, BM: tl.constexpr):
+    """FP32 ``A[m, k]`` (``[BM, CH, R]``) for the tile's rows ``m`` and the reduction indices
+    ``k`` (``[1, CH, R]``) of an operand read across memory rows: dense (``A = Xᵀ`` through
+    strides) or packed (``A = Pᵀ``: k runs over the packed tensor's rows and m over its codes;
+    each thread loads whole bytes, i.e. pairs of m, and decodes both codes, ``q · s_block``
+    exact). Masked elements are 0."""
     if SRC == 0:
+        m = pid_m * BM + tl.arange(0, BM)[:, None, None]
+        mask = ((m < M) & (k < K)) | EVEN
         v = tl.load(x_ptr + m * stride_m + k * stride_k, mask=mask, other=0.0).to(tl.float32)
     else:
-        byte = tl.load(x_ptr + k * (P_C // 2) + m // 2, mask=mask, other=0).to(tl.int32)
-        v = (_e2m1_value((byte >> ((m % 2) * 4)) & 15)
-             * _packed_scales(xs_ptr, k, m // 16, mask, P_C, SRC))
+        mb = pid_m * (BM // 2) + tl.arange(0, BM // 2)[:, None, None]  # bytes: m = 2·mb, 2·mb + 1
+        mask = ((mb < M // 2) & (k < K)) | EVEN
+        byte = tl.load(x_ptr + k * (P_C // 2) + mb, mask=mask, other=0).to(tl.int32)
+        s = _packed_scales(xs_ptr, k, mb // 8, mask, P_C, SRC)
+        v = tl.join(_e2m1_value(byte & 15) * s, _e2m1_value(byte >> 4) * s)
+        v = tl.reshape(tl.permute(v, (0, 3, 1, 2)), (BM, k.shape[1], k.shape[2]))
     return v
 
 
 @triton.jit
-def _col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC: tl.constexpr,
-              EVEN: tl.constexpr, J: tl.constexpr):
+def _col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC: tl.constexpr,
+              EVEN: tl.constexpr, BM: tl.constexpr, J: tl.constexpr):
     """``[..., 2, 2]`` whose entry ``(b3, b2)`` is the column slice ``A[m, kb + J + 8·b3 + 4·b2]``
     (:func:`_load_groups_cols`)."""
-    a = tl.join(_col_slice(x_ptr, xs_ptr, m, kb + J, M, K, stride_m, stride_k, P_C, SRC, EVEN),
-                _col_slice(x_ptr, xs_ptr, m, kb + (J + 8), M, K, stride_m, stride_k, P_C, SRC, EVEN))
-    b = tl.join(_col_slice(x_ptr, xs_ptr, m, kb + (J + 4), M, K, stride_m, stride_k, P_C, SRC, EVEN),
-                _col_slice(x_ptr, xs_ptr, m, kb + (J + 12), M, K, stride_m, stride_k, P_C, SRC, EVEN))
+    a = tl.join(_col_slice(x_ptr, xs_ptr, pid_m, kb + J, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM),
+                _col_slice(x_ptr, xs_ptr, pid_m, kb + (J + 8), M, K, stride_m, stride_k, P_C, SRC,
+                           EVEN, BM))
+    b = tl.join(_col_slice(x_ptr, xs_ptr, pid_m, kb + (J + 4), M, K, stride_m, stride_k, P_C, SRC,
+                           EVEN, BM),
+                _col_slice(x_ptr, xs_ptr, pid_m, kb + (J + 12), M, K, stride_m, stride_k, P_C, SRC,
+                           EVEN, BM))
     return tl.join(a, b)
 
 
@@ -467,13 +476,12 @@ def _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C
     ``((j, j+8), (j+4, j+12))`` for ``j = 0, 2`` and ``1, 3``, the tile's last axes are the bits
     of j from the highest, so the reshape is the identity on each thread's registers. The rest
     of the quantization is the row layout's (:func:`_load_groups`)."""
-    m = pid_m * BM + tl.arange(0, BM)[:, None, None]
     kb = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None] * (R * 16)
           + tl.arange(0, R)[None, None, :] * 16)
-    lo = tl.join(_col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, 0),
-                 _col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, 2))
-    hi = tl.join(_col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, 1),
-                 _col_quad(x_ptr, xs_ptr, m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, 3))
+    lo = tl.join(_col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM, 0),
+                 _col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM, 2))
+    hi = tl.join(_col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM, 1),
+                 _col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM, 3))
     return tl.reshape(tl.join(lo, hi), (BM, CH, R, 16))
 
 
