@@ -2,8 +2,9 @@
 
 Each op has a fake (meta) implementation, so the ops are opaque to ``torch.compile`` and work
 under it. All ops quantize a *logical* 2-D operand ``A`` along its last dim (the reduction dim):
-``A = x`` or, with ``transpose=True``, ``A = xᵀ`` (loaded in memory order and transposed on
-chip, inside the quantization kernel or, on the GPU, by one transpose pass first:
+``A = x`` or, with ``transpose=True``, ``A = xᵀ`` (read across memory rows: by row-wise slices
+joined in registers for the quantizers of :func:`whole_groups`, :data:`SLICED_COLS`; otherwise
+transposed on chip by the quantization kernel or, on the GPU, by one transpose pass first,
 :data:`TRANSPOSE_COLS`). Outputs, in the layout of ``A`` (``M × K``):
 
 * ``values``: BF16 ``q · s_block`` (exact), the GEMM-ready operand; with ``posthoc`` (MS-EDEN's

@@ -2,9 +2,10 @@
 
 Every kernel works on a *logical* 2-D operand ``A`` (``M × K``, groups of 16 along ``K``, the GEMM's
 reduction dim). ``A`` is read through strides, so ``A = X`` and ``A = Xᵀ`` are the same kernel:
-an operand read across memory rows (``COLS``) is loaded in memory order and transposed on chip
-(:func:`_load_tile_cols`; on the GPU the launcher runs :func:`transpose_kernel` first instead,
-``quant.kernels.ops.TRANSPOSE_COLS``).
+an operand read across memory rows (``COLS``) is loaded as 16 row-wise slices joined in
+registers when each thread holds whole groups (``GROUPS``, :func:`_load_groups_cols`), else in
+memory order and transposed on chip (:func:`_load_tile_cols`; on the GPU the launcher may run
+:func:`transpose_kernel` first instead, ``quant.kernels.ops.TRANSPOSE_COLS``).
 ``A`` is either dense (any float dtype, optionally times an FP32 tensor scale) or a packed NVFP4
 tensor (two E2M1 codes per byte + E4M3 scales, 1×16 or 16×16), possibly transposed.
 
@@ -388,7 +389,8 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
     launcher). SRC 1 / 2: packed NVFP4 1×16 / 16×16 with physical shape ``(R, C)``
     (``C = P_C``), ``A = P`` (or ``A = Pᵀ`` with COLS); the value is ``q · s_block`` (exact), as
     ``NVFP4Tensor.scaled_values``. COLS: ``A`` is read across memory rows (``A = Xᵀ`` or
-    ``A = Pᵀ``, :func:`_load_tile_cols`).
+    ``A = Pᵀ``): by slices with GROUPS (:func:`_load_groups_cols`), else transposed on chip
+    (:func:`_load_tile_cols`).
     """
     if COLS and GROUPS:
         x = _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C, SRC,
@@ -603,7 +605,10 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
 
     The tile is ``[BM, CH, R, 16]``: BM rows, and ``BK = CH·R·16`` columns as CH chunks of
     ``h = 16·R`` (the rotation size; without rotation CH = 1) of R groups of 16. Per-group
-    quantities are ``[BM, CH, R]`` and broadcast back with ``expand_dims``.
+    quantities are ``[BM, CH, R]`` and broadcast back with ``expand_dims``. GROUPS (the launcher's
+    ``whole_groups``: SR, 4/6, rotations, MS-EDEN) keeps each 16-group in one thread's registers
+    (loaded by :func:`_load_groups`, or :func:`_load_groups_cols` with COLS; stored by
+    :func:`_store_groups`).
 
     Outputs (logical layout, row-major): ``val`` BF16 ``M × K`` (``q · s_block``), ``code`` uint8
     ``M × K/2`` (element 2i in the low nibble), ``sc`` uint8 E4M3 bits ``M × K/16`` (or
