@@ -313,10 +313,11 @@ def test_rotated_columns(source, via_transpose, monkeypatch):
     _check(out, quantize_sr(rotate(a, signs), u))
 
 
-@pytest.mark.parametrize("tile", [(4, 128, 1), (16, 128, 4), (128, 16, 4)])
+@pytest.mark.parametrize("tile", [(4, 128, 1), (16, 128, 4), (128, 16, 4), (8, 128, 1)])
 def test_gpu_tile_shapes(tile, monkeypatch):
     """The tile shapes the GPU uses (one-warp 4-row tiles for MS-EDEN rows, 16-row tiles for
-    the others, 16-wide column tiles) give the reference's results too: the tile index arithmetic
+    the others, 16-wide column tiles, one-warp 8-row tiles of the sliced columns) give the
+    reference's results too: the tile index arithmetic
     does not depend on the interpreter's large tiles, and 48×256 is covered by whole tiles, so
     the mask-free (EVEN) path runs. On the GPU these are the configs in use anyway."""
     if not CUDA:
@@ -331,6 +332,17 @@ def test_gpu_tile_shapes(tile, monkeypatch):
         _check(out, quantize_ms_eden(rotate(a, signs), ug, chunk=h))
         _check(K.rtn(x.to(DEV), t, True), quantize_rtn(a, four_over_six=True))
     _check(K.rtn_2d(x.to(DEV), False, True), quantize_rtn_2d(x, four_over_six=True))
+
+
+def test_block_config_refuses_bad_tiles():
+    """Tile overrides (``NVFP4_TILE_<LAYOUT>``) that the kernels cannot run are refused with the
+    reason: an unknown layout, sizes that are not powers of two, sliced columns of one row."""
+    with pytest.raises(ValueError, match="unknown layout"):
+        kops.set_block_config("diagonal", 8, 128, 1)
+    with pytest.raises(ValueError, match="powers of two"):
+        kops.set_block_config("rows", 12, 128, 4)
+    with pytest.raises(ValueError, match="BM >= 2"):
+        kops.set_block_config("cols_eden", 1, 128, 1)
 
 
 @pytest.mark.parametrize("tiles", [1, 5])

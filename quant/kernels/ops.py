@@ -111,6 +111,8 @@ def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
         raise ValueError("BM, BK and the warps must be powers of two, BK a multiple of 16")
     if layout in ("cols", "cols_wide") and bm < GROUP:
         raise ValueError(f"column layouts need BM >= {GROUP} (whole 16-groups of a packed row)")
+    if layout in ("cols_groups", "cols_eden") and bm < 2:
+        raise ValueError("sliced column layouts need BM >= 2 (a packed byte holds two rows)")
     _CONFIG[layout] = (bm, bk, num_warps)
 
 
