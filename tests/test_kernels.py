@@ -334,15 +334,20 @@ def test_gpu_tile_shapes(tile, monkeypatch):
     _check(K.rtn_2d(x.to(DEV), False, True), quantize_rtn_2d(x, four_over_six=True))
 
 
-def test_block_config_refuses_bad_tiles():
+def test_kernel_options_refuse_bad_values():
     """Tile overrides (``NVFP4_TILE_<LAYOUT>``) that the kernels cannot run are refused with the
-    reason: an unknown layout, sizes that are not powers of two, sliced columns of one row."""
+    reason: an unknown layout, sizes that are not powers of two, sliced columns of one row; so
+    is an unknown source kind in ``NVFP4_SLICED_COLS``."""
     with pytest.raises(ValueError, match="unknown layout"):
         kops.set_block_config("diagonal", 8, 128, 1)
     with pytest.raises(ValueError, match="powers of two"):
         kops.set_block_config("rows", 12, 128, 4)
     with pytest.raises(ValueError, match="BM >= 2"):
         kops.set_block_config("cols_eden", 1, 128, 1)
+    with pytest.raises(ValueError, match=r"unknown source kind\(s\) \['sparse'\]"):
+        kops._source_kinds("dense,sparse")
+    assert kops._source_kinds("") == frozenset()
+    assert kops._source_kinds("dense,packed") == {kops.SRC_DENSE, kops.SRC_PACKED}
 
 
 @pytest.mark.parametrize("tiles", [1, 5])

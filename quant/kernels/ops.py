@@ -320,8 +320,18 @@ first (session 5; docs/performance.md). The interpreter uses the kernels' column
 _TRANSPOSE_TILE = (64, 64, 4)
 
 _SOURCE_NAMES = {"dense": SRC_DENSE, "packed": SRC_PACKED, "packed_2d": SRC_PACKED_2D}
-SLICED_COLS = frozenset(_SOURCE_NAMES[n] for n in
-                        os.environ.get("NVFP4_SLICED_COLS", "dense").split(",") if n)
+
+
+def _source_kinds(names: str) -> frozenset:
+    """Source kinds from comma-separated names (``dense``, ``packed``, ``packed_2d``)."""
+    unknown = sorted({n for n in names.split(",") if n} - set(_SOURCE_NAMES))
+    if unknown:
+        raise ValueError(f"NVFP4_SLICED_COLS={names!r}: unknown source kind(s) {unknown}; "
+                         f"use a comma-separated subset of {sorted(_SOURCE_NAMES)}, or empty for none")
+    return frozenset(_SOURCE_NAMES[n] for n in names.split(",") if n)
+
+
+SLICED_COLS = _source_kinds(os.environ.get("NVFP4_SLICED_COLS", "dense"))
 """Source kinds whose column operands, under a quantizer that holds whole groups per thread
 (:func:`whole_groups`), the quantization kernel loads by row-wise slices joined in registers
 (``_load_groups_cols``: no transpose pass, no on-chip transpose); the others are transposed
