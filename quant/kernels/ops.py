@@ -459,7 +459,7 @@ def _op(fn):
 def _fake(op):
     """Decorator registering the fake (meta) implementation of the operator ``op``, which
     ``torch.compile`` traces instead of the kernels."""
-    return torch.library.register_fake(op._qualified_op_name, lib=_LIB)
+    return torch.library.register_fake(f"nvfp4::{op.__name__}", lib=_LIB)
 
 
 # --------------------------------------------------------------------------- generic operand op
