@@ -223,8 +223,9 @@ def main() -> None:
         tile2d = "16x16" in name
         groups = ops.whole_groups("rtn_2d" if tile2d else "sr" if " sr" in f" {name}" else "rtn", rot,
                                   "4/6" in name)
-        sliced = groups and (ops.SRC_PACKED if "packed" in name else ops.SRC_DENSE) in ops.SLICED_COLS
-        return ops.layout_of(rot, t and (sliced or not ops.TRANSPOSE_COLS), tile2d, sliced, "eden" in name)
+        src = ops.SRC_PACKED if "packed" in name else ops.SRC_DENSE
+        cols = t and not ops._transposes_first(src, t, groups)
+        return ops.layout_of(rot, cols, tile2d, groups, "eden" in name)
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
     if a.sweep is not None:

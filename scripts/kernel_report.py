@@ -63,7 +63,8 @@ def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "phil
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=int(draws == "philox"), WRITE_VALUES=True, PACK=True,
                   POSTHOC=posthoc,
-                  TILES=ops._tiles_per_program(rot, cols, mode == "rtn_2d", groups, mode == "ms_eden"),
+                  TILES=ops._tiles_per_program(ops.layout_of(rot, cols, mode == "rtn_2d", groups,
+                                                             mode == "ms_eden")),
                   EVEN=True, GROUPS=groups, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel

@@ -141,27 +141,24 @@ def layout_of(rot: int, cols: bool, tile2d: bool = False, groups: bool = False,
     return "rows_wide" if rot >= 32 else "rows"
 
 
-def _layout_in_use(rot: int = 0, cols: bool = False, tile2d: bool = False,
-                   groups: bool = False, eden: bool = False) -> str:
-    """The key of ``_CONFIG`` and ``_TILES_PER_PROGRAM`` that an operand uses here: its
-    :func:`layout_of`, or ``interpret`` under the interpreter."""
-    return "interpret" if _INTERPRET else layout_of(rot, cols, tile2d, groups, eden)
+def _layout_in_use(layout: str) -> str:
+    """The key of ``_CONFIG`` and ``_TILES_PER_PROGRAM`` that an operand of ``layout``
+    (:func:`layout_of`) uses here: the layout, or ``interpret`` under the interpreter."""
+    return "interpret" if _INTERPRET else layout
 
 
-def _config(rot: int = 0, cols: bool = False, tile2d: bool = False,
-            groups: bool = False, eden: bool = False) -> tuple[int, int, int]:
-    """(BM, BK, num_warps) for an operand rotated in chunks of ``rot`` (0: none)."""
-    bm, bk, nw = _CONFIG[_layout_in_use(rot, cols, tile2d, groups, eden)]
+def _config(layout: str = "rows", rot: int = 0) -> tuple[int, int, int]:
+    """(BM, BK, num_warps) of a layout for an operand rotated in chunks of ``rot`` (0: none)."""
+    bm, bk, nw = _CONFIG[_layout_in_use(layout)]
     return bm, max(bk, rot), nw
 
 
-def _tiles_per_program(rot: int, cols: bool, tile2d: bool = False, groups: bool = False,
-                       eden: bool = False) -> int:
-    """:data:`_TILES_PER_PROGRAM` of an operand's layout (or ``NVFP4_TILES_PER_PROGRAM``)."""
+def _tiles_per_program(layout: str) -> int:
+    """:data:`_TILES_PER_PROGRAM` of a layout (or ``NVFP4_TILES_PER_PROGRAM``)."""
     env = os.environ.get("NVFP4_TILES_PER_PROGRAM")
     if env:
         return int(env)
-    return _TILES_PER_PROGRAM.get(_layout_in_use(rot, cols, tile2d, groups, eden), 1)
+    return _TILES_PER_PROGRAM.get(_layout_in_use(layout), 1)
 
 
 for _layout in list(_CONFIG):
@@ -224,13 +221,11 @@ def tile_meta(bm: int, bk: int, rot: int, tile2d: bool = False) -> dict:
     return dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r, LOG_R=int(math.log2(r)) if rot else 0)
 
 
-def _tiling(rot: int, cols: bool, tile2d: bool = False, groups: bool = False,
-            eden: bool = False) -> tuple[dict, int, int, int]:
+def _tiling(layout: str, rot: int, tile2d: bool = False) -> tuple[dict, int, int, int]:
     """Tile meta-parameters (:func:`tile_meta`), BK, num_warps and tiles per program of an
-    operand."""
-    bm, bk, nw = _config(rot, cols, tile2d, groups, eden)
-    return (tile_meta(bm, bk, rot, tile2d), bk, nw,
-            _tiles_per_program(rot, cols, tile2d, groups, eden))
+    operand of ``layout`` (:func:`layout_of`) rotated in chunks of ``rot``."""
+    bm, bk, nw = _config(layout, rot)
+    return tile_meta(bm, bk, rot, tile2d), bk, nw, _tiles_per_program(layout)
 
 
 def _is_cols(src: int, stride_k: int, pt: bool) -> bool:
@@ -295,7 +290,7 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     if M == 0 or Kd == 0:
         return out
     cols = _is_cols(src, sk, pt)  # a column operand is read by slices (whole_groups)
-    meta, bk, nw, tiles = _tiling(rot, cols, groups=cols)
+    meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups=cols), rot)
     _launch(K.amax_kernel, _grid(M, Kd, meta["BM"], bk, tiles), x, x_scales if x_scales is not None else x,
             in_scale if in_scale is not None else out, signs if signs is not None else out, out,
             M, Kd, sm, sk, pc, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None, ROT=rot,
@@ -402,7 +397,9 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     if M and Kd:
         t_t, t_b = _targets(mode, four_over_six)
         cols = _is_cols(src, sk, pt)
-        meta, bk, nw, tiles = _tiling(rot, cols, mode == "rtn_2d", groups, mode == "ms_eden")
+        tile2d = mode == "rtn_2d"
+        meta, bk, nw, tiles = _tiling(layout_of(rot, cols, tile2d, groups, mode == "ms_eden"), rot,
+                                      tile2d)
         grid = _grid(M, Kd, meta["BM"], bk, tiles)
         dummy = st
         u_arg = uniforms if uniforms is not None else dummy
@@ -414,7 +411,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 amax, u_arg, seed_arg, val, codes, scales, st, c, M, Kd, sm, sk, pc, stream,
                 T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None,
                 ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
-                TILE2D=mode == "rtn_2d", RAND=rand, WRITE_VALUES=values,
+                TILE2D=tile2d, RAND=rand, WRITE_VALUES=values,
                 PACK=codes_out, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
                 GROUPS=groups, TILES=tiles, num_warps=nw, **meta)
         if posthoc:
@@ -604,7 +601,7 @@ def unpack(data: Tensor, scales: Tensor, tile2d: bool = False) -> Tensor:
     data, scales = data.contiguous(), scales.contiguous()
     out = torch.empty((R, C), dtype=torch.bfloat16, device=data.device)
     if R and C:
-        bm, bk, nw = _config()
+        bm, bk, nw = _config("rows")
         _launch(K.unpack_kernel, (_cdiv(R, bm), _cdiv(C, bk)), data,
                 scales.view(torch.uint8), out, R, C, SRC=SRC_PACKED_2D if tile2d else SRC_PACKED,
                 BM=bm, R=bk // GROUP, num_warps=nw)
