@@ -199,10 +199,12 @@ def test_rht_ms_eden(shape, transpose, seeded, posthoc):
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-def test_posthoc_small_groups(transpose):
+@pytest.mark.parametrize("pack", [False, True])
+def test_posthoc_small_groups(transpose, pack):
     """Post hoc alignment's first pass writes values with the tensor scale folded in, exact
     only where the group's scale lands in E4M3's normal range; the align pass rewrites the
-    others. Rows spanning 2^0 … 2^-40 put both kinds of group in every tile."""
+    others, from q read off the values (the only source without ``pack``). Rows spanning
+    2^0 … 2^-40 put both kinds of group in every tile."""
     g = torch.Generator().manual_seed(60)
     x = torch.randn(64, 256, generator=g) * torch.exp2(-torch.linspace(0, 40, 64))[:, None]
     x = x.bfloat16()
@@ -212,8 +214,8 @@ def test_posthoc_small_groups(transpose):
     ref = quantize_ms_eden(rotate(a, signs), u, chunk=len(signs), posthoc=True)
     sub = ref.block_scale < 2.0**-6
     assert sub.any() and not sub.all()
-    out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True, posthoc=True)
-    _check(out, ref, posthoc=True)
+    out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, pack, posthoc=True)
+    _check(out, ref, packed=pack, posthoc=True)
 
 
 @pytest.mark.parametrize("posthoc", [False, True])
@@ -239,9 +241,11 @@ def test_extreme_magnitudes(posthoc):
             _check(K.rtn(x.to(DEV), False, four_six), quantize_rtn(x, four_over_six=four_six))
             _check(K.sr(x.to(DEV), False, u.to(DEV), None, four_six),
                    quantize_sr(x, u, four_over_six=four_six))
-        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, ug.to(DEV), None, None, True,
-                            posthoc=posthoc)
-        _check(out, quantize_ms_eden(rotate(x, signs), ug, chunk=128, posthoc=posthoc), posthoc=posthoc)
+        ref = quantize_ms_eden(rotate(x, signs), ug, chunk=128, posthoc=posthoc)
+        for pack in (True, False):  # post hoc without codes: the align pass reads the values
+            out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, ug.to(DEV), None, None, pack,
+                                posthoc=posthoc)
+            _check(out, ref, packed=pack, posthoc=posthoc)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

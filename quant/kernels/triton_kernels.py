@@ -52,6 +52,9 @@ MODE_RTN = 0
 MODE_SR = 1
 MODE_EDEN = 2
 
+# 2^-123: below it, MS-EDEN's post hoc scale rounding (_sr_m3) leaves E4M3's grid.
+_TWO_M123 = tl.constexpr(9.4039548065783e-38)
+
 
 @triton.jit
 def _e4m3_bits(v):
@@ -380,7 +383,8 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
                P_C, SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
                GROUPS: tl.constexpr,
-               BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+               BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr,
+               SPLIT: tl.constexpr = True):
     """The fp32 tile ``A[m, k]`` (``[BM, CH, R, 16]``) as the reference sees it: ``src.dense()``,
     then rotated (``(x ⊙ σ) · H / √h``, h = 16·R; ``sgm``: σ's :func:`_sign_masks`) when
     ROT > 0. Masked elements are 0.
@@ -389,12 +393,12 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
     launcher). SRC 1 / 2: packed NVFP4 1×16 / 16×16 with physical shape ``(R, C)``
     (``C = P_C``), ``A = P`` (or ``A = Pᵀ`` with COLS); the value is ``q · s_block`` (exact), as
     ``NVFP4Tensor.scaled_values``. COLS: ``A`` is read across memory rows (``A = Xᵀ`` or
-    ``A = Pᵀ``): by slices with GROUPS (:func:`_load_groups_cols`), else transposed on chip
-    (:func:`_load_tile_cols`).
+    ``A = Pᵀ``): by slices with GROUPS (:func:`_load_groups_cols`, which SPLIT passes on),
+    else transposed on chip (:func:`_load_tile_cols`).
     """
     if COLS and GROUPS:
         x = _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C, SRC,
-                              EVEN, BM, CH, R)
+                              EVEN, BM, CH, R, SPLIT)
     elif COLS:
         x = tl.reshape(_load_tile_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
                                        SRC, BM, CH * R * 16), (BM, CH, R, 16))
@@ -468,23 +472,43 @@ def _col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC: tl.c
 
 
 @triton.jit
-def _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
-                      SRC: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
-                      R: tl.constexpr):
-    """The FP32 tile ``[BM, CH, R, 16]`` of an operand read across memory rows, with each
-    16-group in one thread's registers and no on-chip transpose: the 16 elements ``j`` of the
-    groups are 16 slices ``[BM, CH, R]``, each loaded along memory rows (``m``, coalesced), and
-    joined in registers (``tl.join`` adds its new axis within each thread). Joined as
-    ``((j, j+8), (j+4, j+12))`` for ``j = 0, 2`` and ``1, 3``, the tile's last axes are the bits
-    of j from the highest, so the reshape is the identity on each thread's registers. The rest
-    of the quantization is the row layout's (:func:`_load_groups`)."""
-    kb = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None] * (R * 16)
-          + tl.arange(0, R)[None, None, :] * 16)
+def _col_groups(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC: tl.constexpr,
+                EVEN: tl.constexpr, BM: tl.constexpr):
+    """The 16-groups starting at the reduction indices ``kb`` (``[1, CH, G]``) as a tile
+    ``[BM, CH, G, 16]`` of whole groups per thread: the 16 slices ``A[m, kb + j]``, joined as
+    ``((j, j+8), (j+4, j+12))`` for ``j = 0, 2`` and ``1, 3``, so that the tile's last axes are the
+    bits of j from the highest and the reshape is the identity on each thread's registers."""
     lo = tl.join(_col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM, 0),
                  _col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM, 2))
     hi = tl.join(_col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM, 1),
                  _col_quad(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM, 3))
-    return tl.reshape(tl.join(lo, hi), (BM, CH, R, 16))
+    return tl.reshape(tl.join(lo, hi), (BM, kb.shape[1], kb.shape[2], 16))
+
+
+@triton.jit
+def _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C,
+                      SRC: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
+                      R: tl.constexpr, SPLIT: tl.constexpr):
+    """The FP32 tile ``[BM, CH, R, 16]`` of an operand read across memory rows, with each
+    16-group in one thread's registers and no on-chip transpose: the 16 elements ``j`` of the
+    groups are 16 slices ``[BM, CH, R]``, each loaded along memory rows (``m``, coalesced), and
+    joined in registers (``tl.join`` adds its new axis within each thread;
+    :func:`_col_groups`). With SPLIT (and R ≥ 2) the chunk's groups ``r`` and ``r + R/2`` are
+    loaded as two halves and joined too, so that a thread holds two groups of one row rather
+    than groups of two rows: fewer lanes share a chunk, and its butterfly stages and sums
+    exchange less (session 9, H200, 16384×4096 columns: post hoc MS-EDEN 63.2 → 59.5 SASS
+    instructions per element, RHT32+SR 274.1 → 253.4 µs, SR 244.9 → 232.5; but RTN+4/6,
+    at 198 registers instead of 168, 269.3 → 291.2, so it loads without). The rest of the
+    quantization is the row layout's (:func:`_load_groups`)."""
+    HALVES: tl.constexpr = 2 if SPLIT and R >= 2 else 1
+    kb = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None] * (R * 16)
+          + tl.arange(0, R // HALVES)[None, None, :] * 16)
+    x = _col_groups(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM)
+    if HALVES == 2:
+        x2 = _col_groups(x_ptr, xs_ptr, pid_m, kb + (R // 2) * 16, M, K, stride_m, stride_k, P_C,
+                         SRC, EVEN, BM)
+        x = tl.reshape(tl.permute(tl.join(x, x2), (0, 1, 4, 2, 3)), (BM, CH, R, 16))
+    return x
 
 
 @triton.jit
@@ -659,7 +683,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, GROUPS, BM, CH, R,
-                   LOG_R)
+                   LOG_R, not FOUR_SIX)
     mask = ((m < M) & (k < K)) | EVEN  # EVEN: whole tiles only, no masks
 
     if POSTHOC:
@@ -733,6 +757,9 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
             s_out = _sr_m3(c, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
             tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
             tl.store(c_ptr + M * (K // 16) + gm * (K // 16) + g, s_out, mask=gmask)
+            # The align pass rewrites every group below 2^-123 from its q, which it reads off
+            # these values (no codes are written for an operand that is not packed).
+            s_out = tl.where(c < _TWO_M123, 1.0, s_out)
         else:
             ug = _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND)
             s_out, bits_out = _sr_e4m3(c, ug)
@@ -753,7 +780,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
 
 
 @triton.jit
-def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
+def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
                       stream, RAND: tl.constexpr, SCALES: tl.constexpr, FIX_VALUES: tl.constexpr,
                       EVEN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     """Second pass of MS-EDEN's post hoc range alignment (``quantize_ms_eden(posthoc=True)``,
@@ -766,8 +793,12 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     s_t`` wherever the two roundings use the same grid, i.e. unless ``c / s_t < 2^-6`` (below
     E4M3's normal range: groups about 2^14 below the tensor's largest) or ``c < 2^-123``
     (:func:`_sr_m3`'s least exponent); with FIX_VALUES the tiles holding such groups rewrite
-    their values ``(q · s) · s_t`` from the codes. (On one grid ``down``, ``up`` and ``P(up)``
-    all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the choice of ``s_t``.)"""
+    their values ``(q · s) · s_t``. They read q off the first pass's values: ``q · sr_m3(c) /
+    sr_m3(c)``, exact because the product of q's 2 and the rounding's 4 significant bits is an
+    exact BF16 at ``sr_m3(c) ≥ 2^-123``, and q itself below 2^-123, where the first pass wrote it
+    unscaled (there ``sr_m3(c)`` may be 0; every such group is fixed here). (On one grid
+    ``down``, ``up`` and ``P(up)`` all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the
+    choice of ``s_t``.)"""
     pid_m, pid_g = tl.program_id(0), tl.program_id(1)
     gm = pid_m * BM + tl.arange(0, BM)[:, None]
     g = pid_g * G + tl.arange(0, G)[None, :]
@@ -779,22 +810,22 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     bits = _e4m3_bits(tl.math.div_rn(r, s_t))  # exact: r / s_t is on E4M3's grid, at most 448
     # A superset of the groups to fix (``r = sr_m3(c)`` is monotone in c, and 2^-6 · s_t and
     # 2^-123 lie on c's grid, so c below either gives r at most it); their c decides.
-    maybe = ((r <= 0.015625 * s_t) | (r <= 9.4039548065783e-38)) & gmask  # 2^-6, 2^-123
+    maybe = ((r <= 0.015625 * s_t) | (r <= _TWO_M123)) & gmask  # 2^-6, 2^-123
     if tl.max(tl.max(maybe.to(tl.int32), axis=1), axis=0) > 0:
         seed = _load_key(seed_ptr, RAND)
         c = tl.load(c_ptr + gm * (K // 16) + g, mask=maybe, other=0.0)
         c_t = tl.math.div_rn(c, s_t)
-        fix = maybe & (c > 0) & ((c_t < 0.015625) | (c < 9.4039548065783e-38))
+        fix = maybe & (c > 0) & ((c_t < 0.015625) | (c < _TWO_M123))
         s, fix_bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, fix, K, RAND))
         bits = tl.where(fix, fix_bits, bits)
         if FIX_VALUES:
             gm3 = tl.expand_dims(gm, 2)
             g3 = tl.expand_dims(g, 2)
             fix3 = tl.expand_dims(fix, 2)
-            j = tl.arange(0, 8)[None, None, :]
-            byte = tl.load(code_ptr + gm3 * (K // 2) + g3 * 8 + j, mask=fix3, other=0).to(tl.int32)
-            q = _e2m1_value(_byte_codes(byte, (BM, G, 16)))
             k = g3 * 16 + tl.arange(0, 16)[None, None, :]
+            qr = tl.load(val_ptr + gm3 * K + k, mask=fix3, other=0.0).to(tl.float32)
+            q = tl.where(tl.expand_dims(c < _TWO_M123, 2), qr,
+                         tl.math.div_rn(qr, tl.expand_dims(r, 2)))
             v = (q * tl.expand_dims(s, 2)) * s_t
             tl.store(val_ptr + gm3 * K + k, v.to(tl.bfloat16), mask=fix3)
     if SCALES:
