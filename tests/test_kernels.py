@@ -203,7 +203,7 @@ def test_rht_ms_eden(shape, transpose, seeded, posthoc):
 def test_posthoc_small_groups(transpose, pack):
     """Post hoc alignment's first pass writes values with the tensor scale folded in, exact
     only where the group's scale lands in E4M3's normal range; the align pass rewrites the
-    others, from q read off the values (the only source without ``pack``). Rows spanning
+    others from the codes, which the first pass writes with or without ``pack``. Rows spanning
     2^0 … 2^-40 put both kinds of group in every tile."""
     g = torch.Generator().manual_seed(60)
     x = torch.randn(64, 256, generator=g) * torch.exp2(-torch.linspace(0, 40, 64))[:, None]
@@ -242,7 +242,7 @@ def test_extreme_magnitudes(posthoc):
             _check(K.sr(x.to(DEV), False, u.to(DEV), None, four_six),
                    quantize_sr(x, u, four_over_six=four_six))
         ref = quantize_ms_eden(rotate(x, signs), ug, chunk=128, posthoc=posthoc)
-        for pack in (True, False):  # post hoc without codes: the align pass reads the values
+        for pack in (True, False):  # post hoc, the align pass also fixes values without pack
             out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, ug.to(DEV), None, None, pack,
                                 posthoc=posthoc)
             _check(out, ref, packed=pack, posthoc=posthoc)

@@ -299,9 +299,9 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     return out
 
 
-def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool):
+def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool, codes: bool):
     sc = (M // GROUP, Kd // GROUP) if mode == "rtn_2d" else (M, Kd // GROUP)
-    return ((M, Kd) if values else (0,)), ((M, Kd // 2) if pack else (0,)), (sc if pack else (0,))
+    return ((M, Kd) if values else (0,)), ((M, Kd // 2) if codes else (0,)), (sc if pack else (0,))
 
 
 TRANSPOSE_COLS = not _INTERPRET and os.environ.get("NVFP4_TRANSPOSE_COLS", "1") != "0"
@@ -367,6 +367,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
     dev = x.device
+    codes_out = pack or posthoc  # the align pass reads the codes
     if posthoc:  # ``current`` receives max(c) from the first pass
         current = torch.zeros((), dtype=torch.float32, device=dev)
         amax = current
@@ -374,7 +375,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         current = (amax.to(torch.float32, copy=True) if amax is not None  # an output: no alias
                    else _amax_impl(x, x_scales, src, transpose, in_scale, signs))
         amax = current if prev_amax is None else torch.where(prev_amax > 0, prev_amax.float(), current)
-    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
+    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack, codes_out)
     val = torch.empty(vshape, dtype=torch.bfloat16, device=dev)
     codes = torch.empty(cshape, dtype=torch.uint8, device=dev)
     scales = torch.empty(sshape, dtype=torch.uint8, device=dev)
@@ -411,12 +412,12 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None,
                 ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
                 TILE2D=tile2d, RAND=rand, WRITE_VALUES=values,
-                PACK=pack, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
+                PACK=codes_out, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
                 GROUPS=groups, TILES=tiles, num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             _launch(K.eden_align_kernel, (_cdiv(M, bm), _cdiv(Kd // GROUP, g)),
-                    c, current, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
+                    codes, c, current, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
                     SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
                     BM=bm, G=g, num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
@@ -425,7 +426,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
 def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
     M, Kd, *_ = _operand(x, src, transpose)
-    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
+    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack, pack or posthoc)
     dev = x.device
     return (x.new_empty(vshape, dtype=torch.bfloat16), x.new_empty(cshape, dtype=torch.uint8),
             x.new_empty(sshape, dtype=torch.float8_e4m3fn),

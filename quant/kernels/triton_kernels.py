@@ -52,9 +52,6 @@ MODE_RTN = 0
 MODE_SR = 1
 MODE_EDEN = 2
 
-# 2^-123: below it, MS-EDEN's post hoc scale rounding (_sr_m3) leaves E4M3's grid.
-_TWO_M123 = tl.constexpr(9.4039548065783e-38)
-
 
 @triton.jit
 def _e4m3_bits(v):
@@ -757,9 +754,6 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
             s_out = _sr_m3(c, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
             tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
             tl.store(c_ptr + M * (K // 16) + gm * (K // 16) + g, s_out, mask=gmask)
-            # The align pass rewrites every group below 2^-123 from its q, which it reads off
-            # these values (no codes are written for an operand that is not packed).
-            s_out = tl.where(c < _TWO_M123, 1.0, s_out)
         else:
             ug = _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND)
             s_out, bits_out = _sr_e4m3(c, ug)
@@ -780,7 +774,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
 
 
 @triton.jit
-def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
+def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
                       stream, RAND: tl.constexpr, SCALES: tl.constexpr, FIX_VALUES: tl.constexpr,
                       EVEN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     """Second pass of MS-EDEN's post hoc range alignment (``quantize_ms_eden(posthoc=True)``,
@@ -793,12 +787,8 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
     s_t`` wherever the two roundings use the same grid, i.e. unless ``c / s_t < 2^-6`` (below
     E4M3's normal range: groups about 2^14 below the tensor's largest) or ``c < 2^-123``
     (:func:`_sr_m3`'s least exponent); with FIX_VALUES the tiles holding such groups rewrite
-    their values ``(q · s) · s_t``. They read q off the first pass's values: ``q · sr_m3(c) /
-    sr_m3(c)``, exact because the product of q's 2 and the rounding's 4 significant bits is an
-    exact BF16 at ``sr_m3(c) ≥ 2^-123``, and q itself below 2^-123, where the first pass wrote it
-    unscaled (there ``sr_m3(c)`` may be 0; every such group is fixed here). (On one grid
-    ``down``, ``up`` and ``P(up)`` all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the
-    choice of ``s_t``.)"""
+    their values ``(q · s) · s_t`` from the codes. (On one grid ``down``, ``up`` and ``P(up)``
+    all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the choice of ``s_t``.)"""
     pid_m, pid_g = tl.program_id(0), tl.program_id(1)
     gm = pid_m * BM + tl.arange(0, BM)[:, None]
     g = pid_g * G + tl.arange(0, G)[None, :]
@@ -810,22 +800,22 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
     bits = _e4m3_bits(tl.math.div_rn(r, s_t))  # exact: r / s_t is on E4M3's grid, at most 448
     # A superset of the groups to fix (``r = sr_m3(c)`` is monotone in c, and 2^-6 · s_t and
     # 2^-123 lie on c's grid, so c below either gives r at most it); their c decides.
-    maybe = ((r <= 0.015625 * s_t) | (r <= _TWO_M123)) & gmask  # 2^-6, 2^-123
+    maybe = ((r <= 0.015625 * s_t) | (r <= 9.4039548065783e-38)) & gmask  # 2^-6, 2^-123
     if tl.max(tl.max(maybe.to(tl.int32), axis=1), axis=0) > 0:
         seed = _load_key(seed_ptr, RAND)
         c = tl.load(c_ptr + gm * (K // 16) + g, mask=maybe, other=0.0)
         c_t = tl.math.div_rn(c, s_t)
-        fix = maybe & (c > 0) & ((c_t < 0.015625) | (c < _TWO_M123))
+        fix = maybe & (c > 0) & ((c_t < 0.015625) | (c < 9.4039548065783e-38))
         s, fix_bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, fix, K, RAND))
         bits = tl.where(fix, fix_bits, bits)
         if FIX_VALUES:
             gm3 = tl.expand_dims(gm, 2)
             g3 = tl.expand_dims(g, 2)
             fix3 = tl.expand_dims(fix, 2)
+            j = tl.arange(0, 8)[None, None, :]
+            byte = tl.load(code_ptr + gm3 * (K // 2) + g3 * 8 + j, mask=fix3, other=0).to(tl.int32)
+            q = _e2m1_value(_byte_codes(byte, (BM, G, 16)))
             k = g3 * 16 + tl.arange(0, 16)[None, None, :]
-            qr = tl.load(val_ptr + gm3 * K + k, mask=fix3, other=0.0).to(tl.float32)
-            q = tl.where(tl.expand_dims(c < _TWO_M123, 2), qr,
-                         tl.math.div_rn(qr, tl.expand_dims(r, 2)))
             v = (q * tl.expand_dims(s, 2)) * s_t
             tl.store(val_ptr + gm3 * K + k, v.to(tl.bfloat16), mask=fix3)
     if SCALES:
