@@ -381,7 +381,7 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
                GROUPS: tl.constexpr,
                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr,
-               SPLIT: tl.constexpr = True):
+               SPLIT: tl.constexpr):
     """The fp32 tile ``A[m, k]`` (``[BM, CH, R, 16]``) as the reference sees it: ``src.dense()``,
     then rotated (``(x ⊙ σ) · H / √h``, h = 16·R; ``sgm``: σ's :func:`_sign_masks`) when
     ROT > 0. Masked elements are 0.
@@ -494,9 +494,10 @@ def _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C
     loaded as two halves and joined too, so that a thread holds two groups of one row rather
     than groups of two rows: fewer lanes share a chunk, and its butterfly stages and sums
     exchange less (session 9, H200, 16384×4096 columns: post hoc MS-EDEN 63.2 → 59.5 SASS
-    instructions per element, RHT32+SR 274.1 → 253.4 µs, SR 244.9 → 232.5; but RTN+4/6,
-    at 198 registers instead of 168, 269.3 → 291.2, so it loads without). The rest of the
-    quantization is the row layout's (:func:`_load_groups`)."""
+    instructions per element, RHT32+SR 274.1 → 255.0 µs, SR 244.9 → 231.4; but RTN+4/6,
+    at 198 registers instead of 168, 269.3 → 291.2, and packed sources, post hoc MS-EDEN 215.1
+    → 278.9 and RHT32+SR 311.1 → 407.8, so :func:`_quant_tile` loads those without). The rest
+    of the quantization is the row layout's (:func:`_load_groups`)."""
     HALVES: tl.constexpr = 2 if SPLIT and R >= 2 else 1
     kb = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None] * (R * 16)
           + tl.arange(0, R // HALVES)[None, None, :] * 16)
@@ -567,7 +568,8 @@ def _tile_absmax(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, M, K, stride_m, st
     """``max |A_tile|`` of one tile, rotated without the ``1/√h`` (:func:`amax_kernel`)."""
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
-                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, 1.0, EVEN, GROUPS, BM, CH, R, LOG_R)
+                   stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, 1.0, EVEN, GROUPS, BM, CH, R, LOG_R,
+                   SRC == 0)
     return tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0)
 
 
@@ -680,7 +682,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, GROUPS, BM, CH, R,
-                   LOG_R, not FOUR_SIX)
+                   LOG_R, (SRC == 0) and not FOUR_SIX)
     mask = ((m < M) & (k < K)) | EVEN  # EVEN: whole tiles only, no masks
 
     if POSTHOC:
@@ -829,7 +831,7 @@ def unpack_kernel(x_ptr, xs_ptr, val_ptr, NR, NC, SRC: tl.constexpr, BM: tl.cons
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     m, k = _tile_index(pid_m, pid_k, BM, 1, R)
     x = _load_tile(x_ptr, 0, xs_ptr, x_ptr, pid_m, pid_k, m, k, NR, NC, 0, 0, NC,
-                   SRC, False, False, 0, 1.0, False, False, BM, 1, R, 0)
+                   SRC, False, False, 0, 1.0, False, False, BM, 1, R, 0, False)
     tl.store(val_ptr + m * NC + k, x.to(tl.bfloat16), mask=(m < NR) & (k < NC))
 
 
