@@ -216,15 +216,16 @@ def main() -> None:
         return s
 
     def layout(name: str, t: bool) -> str:
-        """The tile layout the op really uses (columns of plain RTN and 16×16 tiles run the row
+        """The tile layout the op really uses (columns that ``ops._transposes_first`` run the row
         kernels after the transpose; the others load columns by slices)."""
         rotation = re.match(r"rht(\d+)", name)
         rot = int(rotation.group(1)) if rotation else 0
         tile2d = "16x16" in name
-        groups = ops.whole_groups("rtn_2d" if tile2d else "sr" if " sr" in f" {name}" else "rtn", rot,
-                                  "4/6" in name)
+        mode = ("rtn_2d" if tile2d else "ms_eden" if "eden" in name
+                else "sr" if " sr" in f" {name}" else "rtn")
+        groups = ops.whole_groups(mode, rot, "4/6" in name)
         src = ops.SRC_PACKED if "packed" in name else ops.SRC_DENSE
-        cols = t and not ops._transposes_first(src, t, groups)
+        cols = t and not ops._transposes_first(src, t, groups, mode)
         return ops.layout_of(rot, cols, tile2d, groups, "eden" in name)
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]

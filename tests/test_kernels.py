@@ -297,7 +297,7 @@ def test_rotated_columns(source, via_transpose, monkeypatch):
     non-contiguous and packed (1×16 and 16×16) sources, with a ragged token count."""
     monkeypatch.setattr(kops, "TRANSPOSE_COLS", via_transpose)
     monkeypatch.setattr(kops, "SLICED_COLS", frozenset() if via_transpose else
-                        frozenset({kops.SRC_DENSE, kops.SRC_PACKED, kops.SRC_PACKED_2D}))
+                        kops._sliced_sources("dense,packed,packed_2d"))
     x = _data((160, 144), seed=31)
     signs = random_signs(16, torch.Generator().manual_seed(32), "cpu")
     u = torch.rand(144, 160, generator=torch.Generator().manual_seed(33))
@@ -341,17 +341,34 @@ def test_gpu_tile_shapes(tile, monkeypatch):
 def test_kernel_options_refuse_bad_values():
     """Tile overrides (``NVFP4_TILE_<LAYOUT>``) that the kernels cannot run are refused with the
     reason: an unknown layout, sizes that are not powers of two, sliced columns of one row; so
-    is an unknown source kind in ``NVFP4_SLICED_COLS``."""
+    is an unknown entry in ``NVFP4_SLICED_COLS``."""
     with pytest.raises(ValueError, match="unknown layout"):
         kops.set_block_config("diagonal", 8, 128, 1)
     with pytest.raises(ValueError, match="powers of two"):
         kops.set_block_config("rows", 12, 128, 4)
     with pytest.raises(ValueError, match="BM >= 2"):
         kops.set_block_config("cols_eden", 1, 128, 1)
-    with pytest.raises(ValueError, match=r"unknown source kind\(s\) \['sparse'\]"):
-        kops._source_kinds("dense,sparse")
-    assert kops._source_kinds("") == frozenset()
-    assert kops._source_kinds("dense,packed") == {kops.SRC_DENSE, kops.SRC_PACKED}
+    for bad in ("dense,sparse", "packed:eden"):
+        with pytest.raises(ValueError, match=f"unknown entry '{bad.split(',')[-1]}'"):
+            kops._sliced_sources(bad)
+    assert kops._sliced_sources("") == frozenset()
+    assert kops._sliced_sources("dense,packed:ms_eden") == {(kops.SRC_DENSE, None),
+                                                            (kops.SRC_PACKED, "ms_eden")}
+
+
+def test_sliced_sources_choose_the_column_path(monkeypatch):
+    """Which column operands take the transpose pass (``ops._transposes_first``): by default
+    none of the dense ones, the packed ones under MS-EDEN neither (sliced), but the packed
+    ones under SR do; plain RTN (not whole groups) always does."""
+    monkeypatch.setattr(kops, "TRANSPOSE_COLS", True)
+    monkeypatch.setattr(kops, "SLICED_COLS", kops._sliced_sources("dense,packed:ms_eden"))
+    first = kops._transposes_first
+    assert not first(kops.SRC_DENSE, True, True, "sr")
+    assert not first(kops.SRC_PACKED, True, True, "ms_eden")
+    assert first(kops.SRC_PACKED, True, True, "sr")
+    assert first(kops.SRC_PACKED_2D, True, True, "ms_eden")
+    assert first(kops.SRC_DENSE, True, False, "rtn")
+    assert not first(kops.SRC_DENSE, False, True, "sr")  # rows never
 
 
 @pytest.mark.parametrize("tiles", [1, 5])

@@ -317,36 +317,48 @@ _TRANSPOSE_TILE = (64, 64, 4)
 _SOURCE_NAMES = {"dense": SRC_DENSE, "packed": SRC_PACKED, "packed_2d": SRC_PACKED_2D}
 
 
-def _source_kinds(names: str) -> frozenset:
-    """Source kinds from comma-separated names (``dense``, ``packed``, ``packed_2d``)."""
-    unknown = sorted({n for n in names.split(",") if n} - set(_SOURCE_NAMES))
-    if unknown:
-        raise ValueError(f"NVFP4_SLICED_COLS={names!r}: unknown source kind(s) {unknown}; "
-                         f"use a comma-separated subset of {sorted(_SOURCE_NAMES)}, or empty for none")
-    return frozenset(_SOURCE_NAMES[n] for n in names.split(",") if n)
+def _sliced_sources(spec: str) -> frozenset:
+    """``(source kind, quantizer or None for every quantizer)`` pairs from the comma-separated
+    entries ``kind`` or ``kind:quantizer`` (kinds ``dense``, ``packed``, ``packed_2d``; quantizers
+    as :data:`MODES`)."""
+    pairs = set()
+    for entry in filter(None, spec.split(",")):
+        kind, _, mode = entry.partition(":")
+        if kind not in _SOURCE_NAMES or (mode and mode not in MODES):
+            raise ValueError(
+                f"NVFP4_SLICED_COLS={spec!r}: unknown entry {entry!r}; use comma-separated "
+                f"source kinds {sorted(_SOURCE_NAMES)}, each optionally with ':' and one of the "
+                f"quantizers {sorted(MODES)}, or empty for none")
+        pairs.add((_SOURCE_NAMES[kind], mode or None))
+    return frozenset(pairs)
 
 
-SLICED_COLS = _source_kinds(os.environ.get("NVFP4_SLICED_COLS", "dense"))
-"""Source kinds whose column operands, under a quantizer that holds whole groups per thread
+SLICED_COLS = _sliced_sources(os.environ.get("NVFP4_SLICED_COLS", "dense,packed:ms_eden"))
+"""Which column operands, under a quantizer that holds whole groups per thread
 (:func:`whole_groups`), the quantization kernel loads by row-wise slices joined in registers
-(``_load_groups_cols``: no transpose pass, no on-chip transpose); the others are transposed
-first under :data:`TRANSPOSE_COLS` (without it, whole-group quantizers load every column
-operand by slices). ``NVFP4_SLICED_COLS`` (comma-separated ``dense``, ``packed``,
-``packed_2d``; empty for none) overrides it."""
+(``_load_groups_cols``: no transpose pass, no on-chip transpose), as ``(source kind,
+quantizer)`` pairs (quantizer None: all); the others are transposed first under
+:data:`TRANSPOSE_COLS` (without it, whole-group quantizers load every column operand by
+slices). By default dense sources, and packed ones under MS-EDEN (quartet2's X̂ᵀ and Ŵᵀ), where
+the slices measured as fast as the pass (H200, 16384×4096: 215.1 against 214.1 µs; 100m
+quartet2 steps 48.5 ms either way, session 8); packed sources under SR took 311.1 against
+274.7 µs sliced, so they keep the pass. ``NVFP4_SLICED_COLS`` (comma-separated ``kind`` or
+``kind:quantizer``; empty for none) overrides it."""
 
 
-def _transposes_first(src: int, cols: bool, groups: bool) -> bool:
+def _transposes_first(src: int, cols: bool, groups: bool, mode: str) -> bool:
     """Whether an operand is made contiguous by :func:`transpose_kernel` before quantizing."""
-    return cols and TRANSPOSE_COLS and not (groups and src in SLICED_COLS)
+    sliced = groups and ((src, None) in SLICED_COLS or (src, mode) in SLICED_COLS)
+    return cols and TRANSPOSE_COLS and not sliced
 
 
-def _rows_operand(x, x_scales, src, transpose, groups):
+def _rows_operand(x, x_scales, src, transpose, groups, mode):
     """``(x, x_scales, src, transpose)`` to quantize and its :func:`_operand` geometry: a column
     operand that :func:`_transposes_first` becomes its contiguous transpose (packed sources as
     their exact BF16 values)."""
     geometry = _operand(x, src, transpose)
     M, Kd, sm, sk, pc, pt = geometry
-    if not _transposes_first(src, _is_cols(src, sk, pt), groups):
+    if not _transposes_first(src, _is_cols(src, sk, pt), groups, mode):
         return x, x_scales, src, transpose, geometry
     out = torch.empty((M, Kd), dtype=x.dtype if src == SRC_DENSE else torch.bfloat16, device=x.device)
     if M and Kd:
@@ -362,7 +374,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     rot, inv, signs = _rotation(signs)
     groups = whole_groups(mode, rot, four_over_six)
     x, x_scales, src, transpose, (M, Kd, sm, sk, pc, pt) = _rows_operand(x, x_scales, src, transpose,
-                                                                         groups)
+                                                                         groups, mode)
     _check(M, Kd, mode, rot)
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
