@@ -348,6 +348,10 @@ def test_kernel_options_refuse_bad_values():
         kops.set_block_config("rows", 12, 128, 4)
     with pytest.raises(ValueError, match="BM >= 2"):
         kops.set_block_config("cols_eden", 1, 128, 1)
+    for bad in ("0", "four", "-2"):
+        with pytest.raises(ValueError, match="NVFP4_TILES_PER_PROGRAM"):
+            kops._tiles_override(bad)
+    assert kops._tiles_override("") is None and kops._tiles_override("4") == 4
     for bad in ("dense,sparse", "packed:eden"):
         with pytest.raises(ValueError, match=f"unknown entry '{bad.split(',')[-1]}'"):
             kops._sliced_sources(bad)
@@ -378,7 +382,7 @@ def test_tiles_per_program(tiles, monkeypatch):
     is 24 tiles, so 5 per program leaves a partial last program; the post hoc maximum and the
     rotated amax pass (RHT32 + SR) are reduced over each program's tiles, not taken from its
     last."""
-    monkeypatch.setenv("NVFP4_TILES_PER_PROGRAM", str(tiles))
+    monkeypatch.setattr(kops, "_TILES_OVERRIDE", tiles)
     if not CUDA:
         monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
     x = _data((48, 256), seed=44)

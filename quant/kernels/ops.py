@@ -26,6 +26,7 @@ seeded path uses, and :func:`philox_signs` Hadamard signs from the same generato
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -153,11 +154,24 @@ def _config(layout: str = "rows", rot: int = 0) -> tuple[int, int, int]:
     return bm, max(bk, rot), nw
 
 
+def _tiles_override(env: str) -> int | None:
+    """``NVFP4_TILES_PER_PROGRAM``'s value (None when unset or empty)."""
+    if not env:
+        return None
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(f"NVFP4_TILES_PER_PROGRAM={env!r}: expected a positive integer")
+    return int(env)
+
+
+_TILES_OVERRIDE = _tiles_override(os.environ.get("NVFP4_TILES_PER_PROGRAM", ""))
+"""Tiles per program for every layout, from ``NVFP4_TILES_PER_PROGRAM`` (read at import: this
+is on the host path of every quantization)."""
+
+
 def _tiles_per_program(layout: str) -> int:
-    """:data:`_TILES_PER_PROGRAM` of a layout (or ``NVFP4_TILES_PER_PROGRAM``)."""
-    env = os.environ.get("NVFP4_TILES_PER_PROGRAM")
-    if env:
-        return int(env)
+    """:data:`_TILES_PER_PROGRAM` of a layout (or :data:`_TILES_OVERRIDE`)."""
+    if _TILES_OVERRIDE is not None:
+        return _TILES_OVERRIDE
     return _TILES_PER_PROGRAM.get(_layout_in_use(layout), 1)
 
 
@@ -175,6 +189,7 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
+@functools.lru_cache(maxsize=None)
 def _targets(mode: str, four_over_six: bool) -> tuple[float, float]:
     """(tensor target, block target) of a quantizer, as in :mod:`quant.quantizers`."""
     scale_max = FOUR_OVER_SIX_SCALE_MAX if four_over_six else E4M3_MAX
@@ -211,7 +226,13 @@ def _rotation(signs: Optional[Tensor]) -> tuple[int, float, Optional[Tensor]]:
     if signs is None:
         return 0, 1.0, None
     h = signs.numel()
-    return h, _f32(1.0 / math.sqrt(h)), signs.to(torch.int8).contiguous()
+    return h, _inv_sqrt(h), signs.to(torch.int8).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_sqrt(h: int) -> float:
+    """FP32 ``1/√h``."""
+    return _f32(1.0 / math.sqrt(h))
 
 
 def tile_meta(bm: int, bk: int, rot: int, tile2d: bool = False) -> dict:
