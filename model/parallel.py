@@ -40,6 +40,8 @@ def replays_cuda_graphs(compile: bool, compile_mode: str) -> bool:
     """Whether the compiled blocks replay as CUDA graphs. A model call whose predecessor's graph
     outputs are consumed then starts with ``torch.compiler.cudagraph_mark_step_begin()``."""
     return bool(compile) and compile_mode in CUDA_GRAPH_MODES
+
+
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 

@@ -60,9 +60,9 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # 16-groups of its rows); "cols_wide": the same for rotations over 16 (on the GPU these column
 # operands are transposed first and use the row layouts: these two layouts serve only with
 # TRANSPOSE_COLS off); "cols_groups": A read across memory rows by the whole-group quantizers,
-# loaded by row-wise slices (``_load_groups_cols``: a warp's lanes cover 4 pairs of rows and
-# the 8 groups of a 128-chunk, each thread holds two rows' groups), and "cols_eden", the same
-# tile for MS-EDEN, which takes one tile per program. BK must be a multiple of the rotation
+# loaded by row-wise slices (``_load_groups_cols``: a thread holds two groups of one row, r and
+# r + R/2 of a chunk, for dense sources with R ≥ 2 but RTN+4/6, else one group of each of two
+# rows), and "cols_eden", the same tile for MS-EDEN, which takes one tile per program. BK must be a multiple of the rotation
 # size (it is raised to it). The
 # interpreter runs ~8 ms per program instance, so it gets large tiles.
 # ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's

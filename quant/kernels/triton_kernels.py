@@ -490,15 +490,15 @@ def _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C
     16-group in one thread's registers and no on-chip transpose: the 16 elements ``j`` of the
     groups are 16 slices ``[BM, CH, R]``, each loaded along memory rows (``m``, coalesced), and
     joined in registers (``tl.join`` adds its new axis within each thread;
-    :func:`_col_groups`). With SPLIT (and R ≥ 2) the chunk's groups ``r`` and ``r + R/2`` are
-    loaded as two halves and joined too, so that a thread holds two groups of one row rather
+    :func:`_col_groups`). With SPLIT, for dense sources with R ≥ 2, the chunk's groups ``r`` and
+    ``r + R/2`` are loaded as two halves and joined too, so that a thread holds two groups of one row rather
     than groups of two rows: fewer lanes share a chunk, and its butterfly stages and sums
     exchange less (session 9, H200, 16384×4096 columns: post hoc MS-EDEN 63.2 → 59.5 SASS
     instructions per element, RHT32+SR 274.1 → 255.0 µs, SR 244.9 → 231.4; but RTN+4/6,
-    at 198 registers instead of 168, 269.3 → 291.2, and packed sources, post hoc MS-EDEN 215.1
-    → 278.9 and RHT32+SR 311.1 → 407.8, so :func:`_quant_tile` loads those without). The rest
-    of the quantization is the row layout's (:func:`_load_groups`)."""
-    HALVES: tl.constexpr = 2 if SPLIT and R >= 2 else 1
+    at 198 registers instead of 168, 269.3 → 291.2, so :func:`_quant_tile` passes no SPLIT for
+    it; and packed sources, post hoc MS-EDEN 215.1 → 278.9 and RHT32+SR 311.1 → 407.8, so they
+    never split). The rest of the quantization is the row layout's (:func:`_load_groups`)."""
+    HALVES: tl.constexpr = 2 if SPLIT and SRC == 0 and R >= 2 else 1
     kb = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None] * (R * 16)
           + tl.arange(0, R // HALVES)[None, None, :] * 16)
     x = _col_groups(x_ptr, xs_ptr, pid_m, kb, M, K, stride_m, stride_k, P_C, SRC, EVEN, BM)
@@ -569,7 +569,7 @@ def _tile_absmax(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, M, K, stride_m, st
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, 1.0, EVEN, GROUPS, BM, CH, R, LOG_R,
-                   SRC == 0)
+                   True)
     return tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0)
 
 
@@ -682,7 +682,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, GROUPS, BM, CH, R,
-                   LOG_R, (SRC == 0) and not FOUR_SIX)
+                   LOG_R, not FOUR_SIX)
     mask = ((m < M) & (k < K)) | EVEN  # EVEN: whole tiles only, no masks
 
     if POSTHOC:
