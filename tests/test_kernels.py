@@ -341,7 +341,8 @@ def test_gpu_tile_shapes(tile, monkeypatch):
 def test_kernel_options_refuse_bad_values():
     """Tile overrides (``NVFP4_TILE_<LAYOUT>``) that the kernels cannot run are refused with the
     reason: an unknown layout, sizes that are not powers of two, sliced columns of one row; so
-    is an unknown entry in ``NVFP4_SLICED_COLS``."""
+    are an ``NVFP4_TILES_PER_PROGRAM`` that is not a positive integer and an unknown entry in
+    ``NVFP4_SLICED_COLS``."""
     with pytest.raises(ValueError, match="unknown layout"):
         kops.set_block_config("diagonal", 8, 128, 1)
     with pytest.raises(ValueError, match="powers of two"):
