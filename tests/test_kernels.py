@@ -317,10 +317,11 @@ def test_rotated_columns(source, via_transpose, monkeypatch):
     _check(out, quantize_sr(rotate(a, signs), u))
 
 
-@pytest.mark.parametrize("tile", [(4, 128, 1), (16, 128, 4), (128, 16, 4), (8, 128, 1)])
+@pytest.mark.parametrize("tile", [(4, 128, 1), (8, 128, 2), (16, 128, 4), (128, 16, 4), (8, 128, 1)])
 def test_gpu_tile_shapes(tile, monkeypatch):
-    """The tile shapes the GPU uses (one-warp 4-row tiles for MS-EDEN rows, 16-row tiles for
-    the others, 16-wide column tiles, one-warp 8-row tiles of the sliced columns) give the
+    """The tile shapes the GPU uses (one-warp 4-row tiles for MS-EDEN rows, two-warp 8-row tiles
+    for the other rows, 16-row tiles for 16×16 scales and the in-kernel transpose, 16-wide column
+    tiles, one-warp 8-row tiles of the sliced columns) give the
     reference's results too: the tile index arithmetic
     does not depend on the interpreter's large tiles, and 48×256 is covered by whole tiles, so
     the mask-free (EVEN) path runs. On the GPU these are the configs in use anyway."""
