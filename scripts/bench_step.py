@@ -17,7 +17,7 @@ trained on random tokens under BF16 autocast. ``--cuda-graph`` captures the whol
 backward, clipping, AdamW) in one CUDA graph after the warm-up and times its replays, so the host
 launch overhead drops out for every scheme alike (the quantizers' draws are read on the device
 from ``quant.randomness.step_key``, so each replay still draws afresh). ``--profile N`` runs one
-more step under the profiler. Prints a markdown table: median step time, tokens/s, MFU against
+more step (a replay, with ``--cuda-graph``) under the profiler. Prints a markdown table: median step time, tokens/s, MFU against
 the measured or given BF16 peak, peak memory, and the ratio to the first scheme with the same
 settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
 """
@@ -79,28 +79,32 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     graph = None
-    for i in range(args.warmup + args.steps):
-        tokens.copy_(torch.randint(0, cfg["vocab_size"], tokens.shape, device=device, generator=g))
-        quant.set_quant_step(i)
-        if args.cuda_graph and i == args.warmup:
-            if device.type != "cuda":
-                raise SystemExit("--cuda-graph needs a CUDA device")
-            graph, loss = capture(step)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        if graph is not None:
-            graph.replay()
-        else:
-            loss = step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t)
+    if args.cuda_graph and device.type != "cuda":
+        raise SystemExit("--cuda-graph needs a CUDA device")
+    # with --cuda-graph every step runs on the capture's stream (scripts/cuda_graph.capture)
+    stream = torch.cuda.Stream() if args.cuda_graph else None
+    with torch.cuda.stream(stream):
+        for i in range(args.warmup + args.steps):
+            tokens.copy_(torch.randint(0, cfg["vocab_size"], tokens.shape, device=device, generator=g))
+            quant.set_quant_step(i)
+            if args.cuda_graph and i == args.warmup:
+                graph, loss = capture(step, stream)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            if graph is not None:
+                graph.replay()
+            else:
+                loss = step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t)
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     if args.profile:
         tokens.copy_(torch.randint(0, cfg["vocab_size"], tokens.shape, device=device, generator=g))
-        profile_step(step, device, args.profile)
+        # the step as it was timed (with --cuda-graph, a replay)
+        profile_step(graph.replay if graph is not None else step, device, args.profile)
     med = statistics.median(times)
     tokens = args.batch * args.seq
     del model, opt
