@@ -17,9 +17,9 @@ trained on random tokens under BF16 autocast. ``--cuda-graph`` captures the whol
 backward, clipping, AdamW) in one CUDA graph after the warm-up and times its replays, so the host
 launch overhead drops out for every scheme alike (the quantizers' draws are read on the device
 from ``quant.randomness.step_key``, so each replay still draws afresh). ``--profile N`` runs one
-more step (a replay, with ``--cuda-graph``) under the profiler. Prints a markdown table: median step time, tokens/s, MFU against
-the measured or given BF16 peak, peak memory, and the ratio to the first scheme with the same
-settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
+more step (a replay, with ``--cuda-graph``) under the profiler. Prints a markdown table: median
+step time, tokens/s, MFU against the measured or given BF16 peak, peak memory, and the ratio to
+the first scheme with the same settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
 """
 
 from __future__ import annotations

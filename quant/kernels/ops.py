@@ -78,10 +78,11 @@ per layout (default 1: a 2-D grid of one tile per program). Looping puts the Had
 Philox key and the post hoc ``atomic_max`` once per program. It pays for the one-warp tiles of
 the wide rotations: post hoc MS-EDEN 16384×4096 on the H200 (session 6, two runs each) took
 174.3 / 173.6 µs with 1 tile per program and 162.3 / 162.5 with 4 (rows; 8 and 32 were slower
-than 4 in another run), RHT32+SR the same (287 / 288 µs); the 4-warp RTN and 4/6 tiles then gained
-nothing. The rows below 32 (session 10, rows, µs): two-warp 8-row tiles looping over 4 gave RTN
-146.1 against 162.8 with one 16-row 4-warp tile per program, RTN+4/6 228.4 against 237.8, SR
-184.6 against 187.3 (16×128 4-warp tiles looping over 4: 151.0, 239.7, 183.5). The sliced columns (session 8, 16384×4096 columns): 4 tiles per program for SR, 4/6 and
+than 4 in another run), RHT32+SR the same (287 / 288 µs); the 4-warp RTN and 4/6 tiles then
+gained nothing. The rows below a rotation of 32 (session 10, µs): two-warp 8-row tiles looping
+over 4 gave RTN 146.1 against 162.8 with one 16-row 4-warp tile per program, RTN+4/6 228.4
+against 237.8, SR 184.6 against 187.3 (16-row 4-warp tiles looping over 4: 151.0, 239.7, 183.5).
+The sliced columns (session 8, 16384×4096 columns): 4 tiles per program for SR, 4/6 and
 RHT16/32 (RHT16+RTN 202.6 µs against 214.6 with 1, RHT16+SR 246–251 against 265.5, RTN+4/6 269.3
 against 303.1), 1 for MS-EDEN (post hoc 177.2–177.8 µs against 198.1–198.3 with 4). The
 interpreter runs 2, so that the loop and a program's partial last group are tested.
