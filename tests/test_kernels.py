@@ -322,8 +322,9 @@ def test_gpu_tile_shapes(tile, monkeypatch):
     """The tile shapes the GPU uses (one-warp 4-row tiles for MS-EDEN rows, two-warp 8-row tiles
     for the other rows, 16-row tiles for 16×16 scales and the in-kernel transpose, 16-wide column
     tiles, one-warp 8-row tiles of the sliced columns) give the reference's results too: the
-    tile index arithmetic does not depend on the interpreter's large tiles, and 48×256 is covered by whole tiles, so
-    the mask-free (EVEN) path runs. On the GPU these are the configs in use anyway."""
+    tile index arithmetic does not depend on the interpreter's large tiles, and 48×256 is
+    covered by whole tiles, so the mask-free (EVEN) path runs. On the GPU these are the configs
+    in use anyway."""
     if not CUDA:
         monkeypatch.setitem(kops._CONFIG, "interpret", tile)
     x = _data((48, 256), seed=41)
