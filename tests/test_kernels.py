@@ -704,3 +704,40 @@ def test_compiled_blocks_compile_once():
         loss.backward()
     assert torch.isfinite(loss)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compiled_blocks_keep_the_autocast_dtype():
+    """Compiled quantized blocks run every GEMM, forward and backward, in the autocast dtype.
+    (A branch on a tensor's strides inside the Function's backward once made the traced MLP
+    GEMMs of a block run in FP32 under BF16 autocast, without an error or a graph break.)"""
+    import yaml
+    from pathlib import Path
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from model import build_model
+    from model.parallel import materialize
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml").read_text())
+    cfg["n_layer"] = 1
+    model = build_model(cfg, device="meta")
+    quant.quantize_model(model, "quartet2")
+    materialize(model, torch.device(DEV), seed=0)
+    model.blocks[0] = torch.compile(model.blocks[0], backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                                    fullgraph=True)
+    x = torch.randint(0, cfg["vocab_size"], (2, 129), generator=torch.Generator().manual_seed(91)).to(DEV)
+    torch._dynamo.reset()
+    with backend.use_backend("triton"):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+    mm = [n.meta["val"].dtype for g in graphs for n in g.graph.nodes
+          if n.op == "call_function" and n.target is torch.ops.aten.mm.default]
+    assert len(graphs) == 2 and len(mm) == 12, (len(graphs), len(mm))  # 4 GEMMs forward, 8 backward
+    assert set(mm) == {torch.bfloat16}, mm
