@@ -741,3 +741,41 @@ def test_compiled_blocks_keep_the_autocast_dtype():
           if n.op == "call_function" and n.target is torch.ops.aten.mm.default]
     assert len(graphs) == 2 and len(mm) == 12, (len(graphs), len(mm))  # 4 GEMMs forward, 8 backward
     assert set(mm) == {torch.bfloat16}, mm
+
+
+
+def test_compiled_backward_reads_one_e():
+    """Under inductor both backward GEMMs of a quantized linear read one buffer of E (dgrad's E
+    and wgrad's Eᵀ as views of it): ``nvfp4::quantize_operand`` takes inputs of any layout.
+    (Under inductor's default constraint for custom ops, exact strides, the E of the linears
+    that feed the residual stream, a BF16 cast of its FP32 gradient, was written twice, one
+    copy per quantization.)"""
+    import re
+    from pathlib import Path
+
+    import yaml
+    from torch._inductor.utils import run_and_get_code
+
+    from model import build_model
+    from model.parallel import materialize, parallelize
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml").read_text())
+    cfg["n_layer"] = 1
+    model = build_model(cfg, device="meta")
+    quant.quantize_model(model, "quartet2")
+    parallelize(model, None, compile=True)
+    materialize(model, torch.device(DEV), seed=0)
+    x = torch.randint(0, cfg["vocab_size"], (2, 129), generator=torch.Generator().manual_seed(92)).to(DEV)
+
+    def step():
+        with backend.use_backend("triton"):
+            with torch.autocast(DEV, dtype=torch.bfloat16):
+                loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):  # its key leaves out the ops' tags
+        _, codes = run_and_get_code(step)
+    e_buffers = [m.group(1) for code in codes for m in re.finditer(
+        r"quantize_operand\.default\((?:reinterpret_tensor\()?(\w+)[^\n]*?, None, 0, [^\n]*'ms_eden'", code)]
+    assert len(e_buffers) == 8 and len(set(e_buffers)) == 4, e_buffers  # 4 linears: E, Eᵀ each

@@ -473,8 +473,9 @@ _LIB = torch.library.Library("nvfp4", "DEF")
 """The ``nvfp4::`` operator library (kept alive for as long as the module: the ops live in it)."""
 
 
-def _op(fn):
-    """Register ``fn`` as the operator ``nvfp4::<its name>`` and return the operator.
+def _op(fn=None, *, tags: tuple = ()):
+    """Register ``fn`` as the operator ``nvfp4::<its name>`` (with ``tags``) and return the
+    operator; ``@_op(tags=...)`` as a decorator with arguments.
 
     The schema comes from ``fn``'s annotations, as ``torch.library.custom_op`` infers it, and
     ``fn`` is the kernel for every device (``CompositeExplicitAutograd``). Unlike ``custom_op``,
@@ -482,7 +483,9 @@ def _op(fn):
     Function of ``quant.linear`` calls them with grad mode off), and that layer cost about 9 µs
     of host time per call (28.5 against 20.0 µs for a post hoc MS-EDEN call with its launches
     stubbed, on a development CPU), which compiled steps without a CUDA graph pay per call."""
-    _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()))
+    if fn is None:
+        return functools.partial(_op, tags=tags)
+    _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()), tags=tags)
     _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
     op = getattr(torch.ops.nvfp4, fn.__name__)
     op.__doc__ = fn.__doc__
@@ -497,7 +500,10 @@ def _fake(op):
 
 # --------------------------------------------------------------------------- generic operand op
 
-@_op
+# Any strides of a dense ``x`` (the kernels read through them), so inductor passes a tensor that
+# several quantizations read (the backward's E, for dgrad and wgrad) as one buffer. (Under its
+# default constraint, exact strides, it made a copy of an unrealized input for each consumer.)
+@_op(tags=(torch.Tag.flexible_layout,))
 def quantize_operand(
     x: Tensor, x_scales: Optional[Tensor], src: int, transpose: bool, in_scale: Optional[Tensor],
     signs: Optional[Tensor], prev_amax: Optional[Tensor], uniforms: Optional[Tensor],
