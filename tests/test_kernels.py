@@ -675,6 +675,36 @@ def test_function_compiles_as_one_graph(name):
         assert torch.equal(e, c)
 
 
+def _tiny_quartet2(n_layer: int, compile: bool):
+    """The tiny preset with ``n_layer`` blocks under quartet2 on DEV, built as train.py builds it
+    (blocks compiled by ``model.parallel`` when ``compile``), and a batch of its tokens.
+    Returns ``(model, tokens)``."""
+    from pathlib import Path
+
+    import yaml
+
+    from model import build_model
+    from model.parallel import materialize, parallelize
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml").read_text())
+    cfg["n_layer"] = n_layer
+    model = build_model(cfg, device="meta")
+    quant.quantize_model(model, "quartet2")
+    parallelize(model, None, activation_checkpointing="none", compile=compile)
+    materialize(model, torch.device(DEV), seed=0)
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(90))
+    return model, tokens.to(DEV)
+
+
+def _train_step(model, tokens) -> torch.Tensor:
+    """Forward under BF16 autocast and backward, on the kernel backend. Returns the loss."""
+    with backend.use_backend("triton"):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+    return loss
+
+
 def test_compiled_blocks_compile_once():
     """Per-block ``torch.compile`` (``model.parallel``) traces every block of a quantized model
     as one graph, without a graph break, once: the layer index reaches the Function as data
@@ -683,25 +713,12 @@ def test_compiled_blocks_compile_once():
     model ran uncompiled; a step key made for ``cuda`` but looked up for ``cuda:0`` was created
     inside the Function and broke every block's graph.)"""
     from torch._dynamo.utils import counters
-    import yaml
-    from pathlib import Path
 
-    from model import build_model
-    from model.parallel import materialize, parallelize
-
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml").read_text())
-    cfg["n_layer"] = 3
-    model = build_model(cfg, device="meta")
-    quant.quantize_model(model, "quartet2")
-    parallelize(model, None, activation_checkpointing="none", compile=True)
-    materialize(model, torch.device(DEV), seed=0)
-    x = torch.randint(0, cfg["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(90)).to(DEV)
+    model, tokens = _tiny_quartet2(3, compile=True)
     torch._dynamo.reset()
     counters.clear()
-    with backend.use_backend("triton"), torch._dynamo.config.patch(error_on_recompile=True):
-        with torch.autocast(DEV, dtype=torch.bfloat16):
-            loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        loss = _train_step(model, tokens)
     assert torch.isfinite(loss)
     assert not counters["graph_break"], dict(counters["graph_break"])
 
@@ -710,13 +727,8 @@ def test_compiled_blocks_keep_the_autocast_dtype():
     """Compiled quantized blocks run every GEMM, forward and backward, in the autocast dtype.
     (A branch on a tensor's strides inside the Function's backward once made the traced MLP
     GEMMs of a block run in FP32 under BF16 autocast, without an error or a graph break.)"""
-    import yaml
-    from pathlib import Path
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
-
-    from model import build_model
-    from model.parallel import materialize
 
     graphs = []
 
@@ -724,19 +736,11 @@ def test_compiled_blocks_keep_the_autocast_dtype():
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml").read_text())
-    cfg["n_layer"] = 1
-    model = build_model(cfg, device="meta")
-    quant.quantize_model(model, "quartet2")
-    materialize(model, torch.device(DEV), seed=0)
+    model, tokens = _tiny_quartet2(1, compile=False)
     model.blocks[0] = torch.compile(model.blocks[0], backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
                                     fullgraph=True)
-    x = torch.randint(0, cfg["vocab_size"], (2, 129), generator=torch.Generator().manual_seed(91)).to(DEV)
     torch._dynamo.reset()
-    with backend.use_backend("triton"):
-        with torch.autocast(DEV, dtype=torch.bfloat16):
-            loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
+    _train_step(model, tokens)
     mm = [n.meta["val"].dtype for g in graphs for n in g.graph.nodes
           if n.op == "call_function" and n.target is torch.ops.aten.mm.default]
     assert len(graphs) == 2 and len(mm) == 12, (len(graphs), len(mm))  # 4 GEMMs forward, 8 backward
@@ -751,31 +755,13 @@ def test_compiled_backward_reads_one_e():
     that feed the residual stream, a BF16 cast of its FP32 gradient, was written twice, one
     copy per quantization.)"""
     import re
-    from pathlib import Path
 
-    import yaml
     from torch._inductor.utils import run_and_get_code
 
-    from model import build_model
-    from model.parallel import materialize, parallelize
-
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml").read_text())
-    cfg["n_layer"] = 1
-    model = build_model(cfg, device="meta")
-    quant.quantize_model(model, "quartet2")
-    parallelize(model, None, compile=True)
-    materialize(model, torch.device(DEV), seed=0)
-    x = torch.randint(0, cfg["vocab_size"], (2, 129), generator=torch.Generator().manual_seed(92)).to(DEV)
-
-    def step():
-        with backend.use_backend("triton"):
-            with torch.autocast(DEV, dtype=torch.bfloat16):
-                loss = model(x[:, :-1], x[:, 1:])
-            loss.backward()
-
+    model, tokens = _tiny_quartet2(1, compile=True)
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):  # its key leaves out the ops' tags
-        _, codes = run_and_get_code(step)
+        _, codes = run_and_get_code(_train_step, model, tokens)
     e_buffers = [m.group(1) for code in codes for m in re.finditer(
         r"quantize_operand\.default\((?:reinterpret_tensor\()?(\w+)[^\n]*?, None, 0, [^\n]*'ms_eden'", code)]
     assert len(e_buffers) == 8 and len(set(e_buffers)) == 4, e_buffers  # 4 linears: E, Eᵀ each
