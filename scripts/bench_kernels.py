@@ -220,13 +220,12 @@ def main() -> None:
         kernels after the transpose; the others load columns by slices)."""
         rotation = re.match(r"rht(\d+)", name)
         rot = int(rotation.group(1)) if rotation else 0
-        tile2d = "16x16" in name
-        mode = ("rtn_2d" if tile2d else "ms_eden" if "eden" in name
+        mode = ("rtn_2d" if "16x16" in name else "ms_eden" if "eden" in name
                 else "sr" if " sr" in f" {name}" else "rtn")
         groups = ops.whole_groups(mode, rot, "4/6" in name)
         src = ops.SRC_PACKED if "packed" in name else ops.SRC_DENSE
         cols = t and not ops._transposes_first(src, t, groups, mode)
-        return ops.layout_of(rot, cols, tile2d, groups, "eden" in name)
+        return ops.layout_of(rot, cols, groups, mode)
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
     if a.sweep is not None:

@@ -63,8 +63,7 @@ def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "phil
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=int(draws == "philox"), WRITE_VALUES=True, PACK=True,
                   POSTHOC=posthoc,
-                  TILES=ops._tiles_per_program(ops.layout_of(rot, cols, mode == "rtn_2d", groups,
-                                                             mode == "ms_eden")),
+                  TILES=ops._tiles_per_program(ops.layout_of(rot, cols, groups, mode)),
                   EVEN=True, GROUPS=groups, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel
@@ -123,9 +122,8 @@ def main() -> None:
                 tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles]
             else:
                 mode, _, four_six, _ = KERNELS[name]
-                tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols", mode == "rtn_2d",
-                                                   ops.whole_groups(mode, rot, four_six),
-                                                   mode == "ms_eden")]]
+                tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols",
+                                                   ops.whole_groups(mode, rot, four_six), mode)]]
             for tile in tiles:
                 r = report(name, tile, dim == "cols", a.draws)
                 if rows is None:

@@ -747,7 +747,6 @@ def test_compiled_blocks_keep_the_autocast_dtype():
     assert set(mm) == {torch.bfloat16}, mm
 
 
-
 def test_compiled_backward_reads_one_e():
     """Under inductor both backward GEMMs of a quantized linear read one buffer of E (dgrad's E
     and wgrad's Eᵀ as views of it): ``nvfp4::quantize_operand`` takes inputs of any layout.

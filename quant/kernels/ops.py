@@ -62,9 +62,9 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # TRANSPOSE_COLS off); "cols_groups": A read across memory rows by the whole-group quantizers,
 # loaded by row-wise slices (``_load_groups_cols``: a thread holds two groups of one row, r and
 # r + R/2 of a chunk, for dense sources with R ≥ 2 but RTN+4/6, else one group of each of two
-# rows), and "cols_eden", the same tile for MS-EDEN, which takes one tile per program. BK must be a multiple of the rotation
-# size (it is raised to it). The
-# interpreter runs ~8 ms per program instance, so it gets large tiles.
+# rows), and "cols_eden", the same tile for MS-EDEN, which takes one tile per program. BK must
+# be a multiple of the rotation size (it is raised to it). The interpreter runs ~8 ms per
+# program instance, so it gets large tiles.
 # ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
 # tile at import.
 _CONFIG = {"rows": (8, 128, 2), "rows_2d": (16, 128, 8), "rows_wide": (4, 128, 1),
@@ -130,17 +130,16 @@ def whole_groups(mode: str, rot: int, four_over_six: bool) -> bool:
     return (rot > 0 or four_over_six or mode != "rtn") and mode != "rtn_2d"
 
 
-def layout_of(rot: int, cols: bool, tile2d: bool = False, groups: bool = False,
-              eden: bool = False) -> str:
+def layout_of(rot: int, cols: bool, groups: bool = False, mode: str = "rtn") -> str:
     """The ``_CONFIG`` layout of an operand rotated in chunks of ``rot`` (0: none), read along its
-    memory rows or across them (``cols``), with 16×16 scale tiles (``tile2d``: BM is 16), with
-    whole 16-groups per thread (``groups``, :func:`whole_groups`), quantized by MS-EDEN
-    (``eden``: its sliced columns take one tile per program)."""
+    memory rows or across them (``cols``), with whole 16-groups per thread (``groups``,
+    :func:`whole_groups`), under the quantizer ``mode`` (``rtn_2d``: 16×16 scale tiles, BM 16;
+    ``ms_eden``: its sliced columns take one tile per program)."""
     if cols:
         if groups:
-            return "cols_eden" if eden else "cols_groups"
+            return "cols_eden" if mode == "ms_eden" else "cols_groups"
         return "cols" if rot <= GROUP else "cols_wide"
-    if tile2d:
+    if mode == "rtn_2d":
         return "rows_2d"
     return "rows_wide" if rot >= 32 else "rows"
 
@@ -434,8 +433,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         t_t, t_b = _targets(mode, four_over_six)
         cols = _is_cols(src, sk, pt)
         tile2d = mode == "rtn_2d"
-        meta, bk, nw, tiles = _tiling(layout_of(rot, cols, tile2d, groups, mode == "ms_eden"), rot,
-                                      tile2d)
+        meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups, mode), rot, tile2d)
         grid = _grid(M, Kd, meta["BM"], bk, tiles)
         dummy = st
         u_arg = uniforms if uniforms is not None else dummy
