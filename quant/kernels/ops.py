@@ -105,6 +105,19 @@ def _grid(M: int, Kd: int, bm: int, bk: int, tiles: int) -> tuple[int, ...]:
 _ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
 """(rows, groups of 16, warps) of the tiles of MS-EDEN's post hoc align pass."""
 
+_ALIGN_PROGRAMS_PER_SM = 4
+"""The align pass's programs per SM (one program in the interpreter); they stride over the
+tiles. Most calls have nothing to fix and exit after a load, so a grid of one program per tile
+(4096 at 16384×1024) would mostly pay for starting programs."""
+
+
+@functools.lru_cache(maxsize=None)
+def _align_programs(device: torch.device) -> int:
+    """:data:`_ALIGN_PROGRAMS_PER_SM` times the SMs of ``device`` (1 in the interpreter)."""
+    if _INTERPRET:
+        return 1
+    return _ALIGN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
 
 def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
     """Override the tile of one layout (``rows``, ``rows_2d``, ``rows_wide``, ``cols``,
@@ -403,9 +416,9 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
     dev = x.device
     codes_out = pack or posthoc  # the align pass reads the codes
-    if posthoc:  # ``current`` receives max(c) from the first pass
-        current = torch.zeros((), dtype=torch.float32, device=dev)
-        amax = current
+    if posthoc:  # the first pass sends max(c) and the least positive c to the align pass
+        amax = torch.zeros(2, dtype=torch.float32, device=dev)
+        current = amax[0]
     else:
         current = (amax.to(torch.float32, copy=True) if amax is not None  # an output: no alias
                    else _amax_impl(x, x_scales, src, transpose, in_scale, signs))
@@ -450,8 +463,9 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 GROUPS=groups, TILES=tiles, num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
-            _launch(K.eden_align_kernel, (_cdiv(M, bm), _cdiv(Kd // GROUP, g)),
-                    codes, c, current, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
+            align_tiles = _cdiv(M, bm) * _cdiv(Kd // GROUP, g)
+            _launch(K.eden_align_kernel, (min(align_tiles, _align_programs(dev)),),
+                    codes, c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
                     SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
                     BM=bm, G=g, num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current

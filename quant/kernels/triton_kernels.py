@@ -16,9 +16,10 @@ FP32 scalar; :func:`quant_kernel` reads ``A`` again and writes the GEMM-ready va
 ``q · s_block`` in BF16 and, optionally, the packed storage form. MS-EDEN with post hoc range
 alignment (the default): :func:`quant_kernel` (``POSTHOC``) reads ``A`` once and writes the values
 (``q · s_block · s_tensor``: the tensor scale is a power of two, exact to fold), the codes and
-the corrected scales with their stochastic roundings, ``atomic_max``-ing the largest; the light
-:func:`eden_align_kernel` then sets the tensor scale, reads the scales' E4M3 bits off those
-roundings and rewrites the rare groups whose values depended on the tensor scale.
+the corrected scales with their stochastic roundings, ``atomic_max``-ing the largest (and the
+least positive); the light :func:`eden_align_kernel` then sets the tensor scale, reads the
+scales' E4M3 bits off those roundings when the packed form is wanted and rewrites the rare groups
+whose values depended on the tensor scale, if there are any (usually not: it then reads nothing).
 
 Bit-exactness rules (the reference is the contract):
 * every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs)
@@ -51,6 +52,8 @@ import triton.language as tl
 MODE_RTN = 0
 MODE_SR = 1
 MODE_EDEN = 2
+
+_POS_INF = tl.constexpr(float("inf"))
 
 
 @triton.jit
@@ -530,8 +533,27 @@ def _atomic_max_nonneg(ptr, v):
     ``atomic_max`` is two atomics, each behind a GPU-wide memory fence by its default
     acquire-release semantics; the maximum is only read by a later kernel, after the launch
     boundary, so no ordering is needed.)"""
-    tl.atomic_max(ptr.to(tl.pointer_type(tl.int32), bitcast=True), v.to(tl.int32, bitcast=True),
-                  sem="relaxed")
+    _atomic_max_bits(ptr, v.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _from_inf(bits):
+    """``bits(+inf) − bits``, which reverses the order of FP32 bit patterns in [0, +inf] and is
+    its own inverse: the post hoc pass sends its least positive corrected scale as the maximum
+    of this (0 when none is positive)."""
+    return 0x7F800000 - bits
+
+
+@triton.jit
+def _atomic_max_bits(ptr, bits):
+    """``*ptr = max(*ptr, bits)`` on the int32 ``bits ≥ 0`` at the FP32 pointer ``ptr``: one
+    relaxed integer ``atomic_max`` (:func:`_atomic_max_nonneg`), skipped when the value there
+    (read from L2) is already at least ``bits``. The value only grows, so an outdated read can
+    only cost an atomic, never skip a needed one; atomics on one address serialise, and with
+    one-tile programs (65536 at 16384×4096) two per program cost 26 µs more than one."""
+    ptr = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    if bits > tl.load(ptr, cache_modifier=".cg"):
+        tl.atomic_max(ptr, bits, sem="relaxed")
 
 
 @triton.jit
@@ -641,7 +663,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     (``quantize_ms_eden(posthoc=True)``): no amax is read; provisional scales
     ``m3(amax_b / v)``; the codes, the corrected scales ``c`` and their roundings ``sr_m3(c)``
     (:func:`_sr_m3`: the tensor scale folded in; FP32, ``2 × M × K/16`` at ``c_ptr``) and the
-    values ``q · sr_m3(c)`` are written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``;
+    values ``q · sr_m3(c)`` are written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``
+    (and the least positive c into ``amax_ptr + 1``, :func:`_from_inf`);
     :func:`eden_align_kernel` then sets the tensor scale, writes the E4M3 scales and fixes the
     values it must.
     """
@@ -651,20 +674,27 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         n_k = tl.cdiv(K, CH * R * 16)
         first = tl.program_id(0) * TILES
         cmax = 0.0
+        cmin = _POS_INF
         for t in tl.range(first, tl.minimum(first + TILES, tl.cdiv(M, BM) * n_k)):
-            cmax = tl.maximum(cmax, _quant_tile(
+            tmax, tmin = _quant_tile(
                 x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
                 sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream, t // n_k, t % n_k,
                 T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE, FOUR_SIX, TILE2D,
-                RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R))
+                RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R)
+            cmax = tl.maximum(cmax, tmax)
+            cmin = tl.minimum(cmin, tmin)
     else:
-        cmax = _quant_tile(
+        cmax, cmin = _quant_tile(
             x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
             sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream,
             tl.program_id(0), tl.program_id(1), T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE,
             FOUR_SIX, TILE2D, RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R)
     if POSTHOC:
+        # max(c) and the least positive c (for the align pass's early exit), both as maxima.
+        # (Per tile, as scalars: carrying per-group maxima across the tiles instead took 94
+        # registers against 72.)
         _atomic_max_nonneg(amax_ptr, cmax)
+        _atomic_max_bits(amax_ptr + 1, _from_inf(cmin.to(tl.int32, bitcast=True)))
 
 
 @triton.jit
@@ -677,8 +707,10 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
                 RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
                 POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
-    """One tile of :func:`quant_kernel`; returns its largest corrected scale (POSTHOC, else 0)."""
+    """One tile of :func:`quant_kernel`; returns its largest and least positive corrected scales
+    (POSTHOC; else 0 and +inf)."""
     cmax = 0.0
+    cmin = _POS_INF
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, GROUPS, BM, CH, R,
@@ -751,6 +783,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
         if POSTHOC:
             c = tl.where(raw > 0, c, 0.0)
             cmax = tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0)
+            cmin = tl.min(tl.min(tl.min(tl.where(c > 0, c, _POS_INF), axis=2), axis=1), axis=0)
             # sr(c / s_t) · s_t, wherever the align pass finds it exact; the align pass reads it
             # back instead of drawing again
             s_out = _sr_m3(c, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
@@ -772,7 +805,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
             tl.store(sc_ptr + r16 * (K // 16) + g, bits_out, mask=(r16 < M // 16) & (g < K // 16))
         elif not POSTHOC:  # post hoc: the align pass writes the scales
             tl.store(sc_ptr + gm * (K // 16) + g, bits_out, mask=gmask)
-    return cmax
+    return cmax, cmin
 
 
 @triton.jit
@@ -790,14 +823,32 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     E4M3's normal range: groups about 2^14 below the tensor's largest) or ``c < 2^-123``
     (:func:`_sr_m3`'s least exponent); with FIX_VALUES the tiles holding such groups rewrite
     their values ``(q · s) · s_t`` from the codes. (On one grid ``down``, ``up`` and ``P(up)``
-    all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the choice of ``s_t``.)"""
-    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
-    gm = pid_m * BM + tl.arange(0, BM)[:, None]
-    g = pid_g * G + tl.arange(0, G)[None, :]
-    gmask = ((gm < M) & (g < K // 16)) | EVEN
+    all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the choice of ``s_t``.)
+
+    A 1-D grid of programs strides over the tiles. Some group needs fixing iff the least positive
+    ``c`` (sent by the first pass at ``cmax_ptr + 1``, :func:`_from_inf`) does, as ``c / s_t`` is
+    monotone in c; without one and without SCALES, which is the usual case, the pass only stores
+    ``s_t`` and reads nothing else."""
     s_t = _pow2_scale_448(tl.load(cmax_ptr))
-    if (pid_m == 0) & (pid_g == 0):
+    if tl.program_id(0) == 0:
         tl.store(st_ptr, s_t)
+    cmin = _from_inf(tl.load(cmax_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 1))
+    cmin = cmin.to(tl.float32, bitcast=True)
+    if SCALES or (tl.math.div_rn(cmin, s_t) < 0.015625) | (cmin < 9.4039548065783e-38):
+        n_g = tl.cdiv(K // 16, G)
+        for t in tl.range(tl.program_id(0), tl.cdiv(M, BM) * n_g, tl.num_programs(0)):
+            gm = (t // n_g) * BM + tl.arange(0, BM)[:, None]
+            g = (t % n_g) * G + tl.arange(0, G)[None, :]
+            gmask = ((gm < M) & (g < K // 16)) | EVEN
+            _align_tile(code_ptr, c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M,
+                        K, stream, RAND, SCALES, FIX_VALUES, BM, G)
+
+
+@triton.jit
+def _align_tile(code_ptr, c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M, K,
+                stream, RAND: tl.constexpr, SCALES: tl.constexpr, FIX_VALUES: tl.constexpr,
+                BM: tl.constexpr, G: tl.constexpr):
+    """:func:`eden_align_kernel`'s E4M3 scale bits (SCALES) and fixed values of one tile."""
     r = tl.load(c_ptr + M * (K // 16) + gm * (K // 16) + g, mask=gmask, other=0.0)
     bits = _e4m3_bits(tl.math.div_rn(r, s_t))  # exact: r / s_t is on E4M3's grid, at most 448
     # A superset of the groups to fix (``r = sr_m3(c)`` is monotone in c, and 2^-6 · s_t and
