@@ -842,7 +842,7 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
         tl.store(st_ptr, s_t)
     cmin = _from_inf(tl.load(cmax_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 1))
     cmin = cmin.to(tl.float32, bitcast=True)
-    if SCALES or (tl.math.div_rn(cmin, s_t) < 0.015625) | (cmin < 9.4039548065783e-38):
+    if SCALES or _needs_fix(cmin, tl.math.div_rn(cmin, s_t)):
         n_g = tl.cdiv(K // 16, G)
         for t in tl.range(tl.program_id(0), tl.cdiv(M, BM) * n_g, tl.num_programs(0)):
             gm = (t // n_g) * BM + tl.arange(0, BM)[:, None]
@@ -850,6 +850,14 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
             gmask = ((gm < M) & (g < K // 16)) | EVEN
             _align_tile(code_ptr, c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M,
                         K, stream, RAND, SCALES, FIX_VALUES, BM, G)
+
+
+@triton.jit
+def _needs_fix(c, c_t):
+    """Whether the first pass's rounding of a corrected scale ``c > 0`` (``c_t = c / s_t``) is
+    not the align pass's: ``c / s_t`` below E4M3's normal range (2^-6) or ``c`` below
+    :func:`_sr_m3`'s least exponent (2^-123)."""
+    return (c_t < 0.015625) | (c < 9.4039548065783e-38)
 
 
 @triton.jit
@@ -866,7 +874,7 @@ def _align_tile(code_ptr, c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, g
         seed = _load_key(seed_ptr, RAND)
         c = tl.load(c_ptr + gm * (K // 16) + g, mask=maybe, other=0.0)
         c_t = tl.math.div_rn(c, s_t)
-        fix = maybe & (c > 0) & ((c_t < 0.015625) | (c < 9.4039548065783e-38))
+        fix = maybe & (c > 0) & _needs_fix(c, c_t)
         s, fix_bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, fix, K, RAND))
         bits = tl.where(fix, fix_bits, bits)
         if FIX_VALUES:
