@@ -389,28 +389,30 @@ def _transposes_first(src: int, cols: bool, groups: bool, mode: str) -> bool:
 
 
 def _rows_operand(x, x_scales, src, transpose, groups, mode):
-    """``(x, x_scales, src, transpose)`` to quantize and its :func:`_operand` geometry: a column
-    operand that :func:`_transposes_first` becomes its contiguous transpose (packed sources as
-    their exact BF16 values)."""
+    """``(x, x_scales, src, transpose)`` to quantize, its :func:`_operand` geometry and whether it
+    is read across memory rows (:func:`_is_cols`): a column operand that
+    :func:`_transposes_first` becomes its contiguous transpose (packed sources as their exact
+    BF16 values), read along rows."""
     geometry = _operand(x, src, transpose)
     M, Kd, sm, sk, pc, pt = geometry
-    if not _transposes_first(src, _is_cols(src, sk, pt), groups, mode):
-        return x, x_scales, src, transpose, geometry
+    cols = _is_cols(src, sk, pt)
+    if not _transposes_first(src, cols, groups, mode):
+        return x, x_scales, src, transpose, geometry, cols
     out = torch.empty((M, Kd), dtype=x.dtype if src == SRC_DENSE else torch.bfloat16, device=x.device)
     if M and Kd:
         bm, bk, nw = _TRANSPOSE_TILE
         _launch(K.transpose_kernel, (_cdiv(M, bm), _cdiv(Kd, bk)), x,
                 x_scales if x_scales is not None else x, out, M, Kd, sm, sk, pc, SRC=src, BM=bm,
                 BK=bk, num_warps=nw)
-    return out, None, SRC_DENSE, False, _operand(out, SRC_DENSE, False)
+    return out, None, SRC_DENSE, False, _operand(out, SRC_DENSE, False), False
 
 
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
     rot, inv, signs = _rotation(signs)
     groups = whole_groups(mode, rot, four_over_six)
-    x, x_scales, src, transpose, (M, Kd, sm, sk, pc, pt) = _rows_operand(x, x_scales, src, transpose,
-                                                                         groups, mode)
+    x, x_scales, src, transpose, (M, Kd, sm, sk, pc, pt), cols = _rows_operand(
+        x, x_scales, src, transpose, groups, mode)
     _check(M, Kd, mode, rot)
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
@@ -444,7 +446,6 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         raise ValueError("MS-EDEN needs a rotation (signs)")
     if M and Kd:
         t_t, t_b = _targets(mode, four_over_six)
-        cols = _is_cols(src, sk, pt)
         tile2d = mode == "rtn_2d"
         meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups, mode), rot, tile2d)
         grid = _grid(M, Kd, meta["BM"], bk, tiles)

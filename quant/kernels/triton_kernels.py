@@ -501,13 +501,13 @@ def _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C
     16-group in one thread's registers and no on-chip transpose: the 16 elements ``j`` of the
     groups are 16 slices ``[BM, CH, R]``, each loaded along memory rows (``m``, coalesced), and
     joined in registers (``tl.join`` adds its new axis within each thread;
-    :func:`_col_groups`). With SPLIT, for dense sources with R ≥ 2, the chunk's groups ``r`` and
-    ``r + R/2`` are loaded as two halves and joined too, so that a thread holds two groups of one row rather
-    than groups of two rows: fewer lanes share a chunk, and its butterfly stages and sums
-    exchange less (session 9, H200, 16384×4096 columns: post hoc MS-EDEN 63.2 → 59.5 SASS
-    instructions per element, RHT32+SR 274.1 → 255.0 µs, SR 244.9 → 231.4; but RTN+4/6,
-    at 198 registers instead of 168, 269.3 → 291.2, so :func:`_quant_tile` passes no SPLIT for
-    it; and packed sources, post hoc MS-EDEN 215.1 → 278.9 and RHT32+SR 311.1 → 407.8, so they
+    :func:`_col_groups`). With SPLIT, for dense sources with R ≥ 2, the chunk's groups ``r``
+    and ``r + R/2`` are loaded as two halves and joined too, so that a thread holds two groups
+    of one row rather than groups of two rows: fewer lanes share a chunk, and its butterfly
+    stages and sums exchange less (session 9, H200, 16384×4096 columns: post hoc MS-EDEN 63.2 →
+    59.5 SASS instructions per element, RHT32+SR 274.1 → 255.0 µs, SR 244.9 → 231.4; but
+    RTN+4/6, at 198 registers instead of 168, 269.3 → 291.2, so :func:`_quant_tile` passes no
+    SPLIT for it; and packed sources, post hoc MS-EDEN 215.1 → 278.9 and RHT32+SR 311.1 → 407.8, so they
     never split). The rest of the quantization is the row layout's (:func:`_load_groups`)."""
     HALVES: tl.constexpr = 2 if SPLIT and SRC == 0 and R >= 2 else 1
     kb = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None] * (R * 16)
