@@ -2,7 +2,7 @@
 
     python scripts/bench_kernels.py                      # 16384×4096 BF16, rows and columns
     python scripts/bench_kernels.py --sweep              # try the SWEEP tile shapes of every layout
-    python scripts/bench_kernels.py --sweep rows_wide --only eden   # one layout, some kernels
+    python scripts/bench_kernels.py --sweep rows_eden --only eden   # one layout, some kernels
 
 Every kernel quantizes a BF16 ``M × K`` input (or, for the ``packed source`` cases, its packed
 RTN+4/6 form, as the backward reads the saved X̂) along its rows (``A = X``) or its columns

@@ -186,8 +186,8 @@ def _rtn_e2m1(v, M_BITS: tl.constexpr):
 
     M is ``1.5 · 2^(22 + e)`` for a's binary exponent e clamped to [0, 2]. With M_BITS it is
     built on the bit pattern (a's exponent field, at least 1.0's, plus 22 in the exponent and
-    M's mantissa bit: three integer instructions), else selected by two compares (two compares
-    and two selects). The same M either way; H200, 16384×4096 (session 12): the bit pattern
+    M's mantissa bit: three integer instructions), else selected by comparing a with 2 and 4
+    (two compares, two selects). The same M either way; H200, 16384×4096 (session 12): the bit pattern
     took RTN+4/6 rows from 224.4 to 212.3 µs and RTN 1×16 from 141.9 to 138.0, but post hoc
     MS-EDEN rows from 147.3 to 152.0 (93 registers instead of 72), so MS-EDEN selects."""
     a = tl.minimum(tl.abs(v), 6.0)
