@@ -187,9 +187,9 @@ def _rtn_e2m1(v, M_BITS: tl.constexpr):
     M is ``1.5 · 2^(22 + e)`` for a's binary exponent e clamped to [0, 2]. With M_BITS it is
     built on the bit pattern (a's exponent field, at least 1.0's, plus 22 in the exponent and
     M's mantissa bit: three integer instructions), else selected by comparing a with 2 and 4
-    (two compares, two selects). The same M either way; H200, 16384×4096 (session 12): the bit pattern
-    took RTN+4/6 rows from 224.4 to 212.3 µs and RTN 1×16 from 141.9 to 138.0, but post hoc
-    MS-EDEN rows from 147.3 to 152.0 (93 registers instead of 72), so MS-EDEN selects."""
+    (two compares, two selects). The same M either way; H200, 16384×4096 (session 12): the bit
+    pattern took RTN+4/6 rows from 224.4 to 212.3 µs and RTN 1×16 from 141.9 to 138.0, but post
+    hoc MS-EDEN rows from 147.3 to 152.0 (93 registers instead of 72), so MS-EDEN selects."""
     a = tl.minimum(tl.abs(v), 6.0)
     if M_BITS:
         mb = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + 0x0B400000
@@ -516,8 +516,9 @@ def _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C
     stages and sums exchange less (session 9, H200, 16384×4096 columns: post hoc MS-EDEN 63.2 →
     59.5 SASS instructions per element, RHT32+SR 274.1 → 255.0 µs, SR 244.9 → 231.4; but
     RTN+4/6, at 198 registers instead of 168, 269.3 → 291.2, so :func:`_quant_tile` passes no
-    SPLIT for it; and packed sources, post hoc MS-EDEN 215.1 → 278.9 and RHT32+SR 311.1 → 407.8, so they
-    never split). The rest of the quantization is the row layout's (:func:`_load_groups`)."""
+    SPLIT for it; and packed sources, post hoc MS-EDEN 215.1 → 278.9 and RHT32+SR 311.1 →
+    407.8, so they never split). The rest of the quantization is the row layout's
+    (:func:`_load_groups`)."""
     HALVES: tl.constexpr = 2 if SPLIT and SRC == 0 and R >= 2 else 1
     kb = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None] * (R * 16)
           + tl.arange(0, R // HALVES)[None, None, :] * 16)
