@@ -58,12 +58,13 @@ def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "phil
     t_t, t_b = ops._targets(mode, four_six)
     meta = ops.tile_meta(bm, max(bk, rot), rot, mode == "rtn_2d")
     groups = ops.whole_groups(mode, rot, four_six)
+    tiles = ops._tiles_per_program(ops.layout_of(rot, cols, groups, mode))
     consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, COLS=cols, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
                   TILE2D=mode == "rtn_2d", RAND=int(draws == "philox"), WRITE_VALUES=True, PACK=True,
                   POSTHOC=posthoc,
-                  TILES=ops._tiles_per_program(ops.layout_of(rot, cols, groups, mode)),
+                  TILES=tiles, PREFETCH=ops._prefetches(0, cols, groups, tiles, mode, four_six),
                   EVEN=True, GROUPS=groups, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel

@@ -411,6 +411,19 @@ def _rows_operand(x, x_scales, src, transpose, groups, mode):
     return out, None, SRC_DENSE, False, _operand(out, SRC_DENSE, False), False
 
 
+def _prefetches(src: int, cols: bool, groups: bool, tiles: int, mode: str,
+                four_over_six: bool) -> bool:
+    """Whether ``quant_kernel`` loads each tile of a program's loop while quantizing the one
+    before (its ``PREFETCH``): for dense operands read along rows by whole groups, under RTN with
+    4/6 only (quartet2's and four_over_six's X and W). H200, 16384×4096 rows, µs (session 13):
+    RTN+4/6 212.5 → 198.7; the others kept their registers only without it, and were slower
+    with it: post hoc MS-EDEN 149.8 → 157.7 (96 registers instead of 72; 150.8 with 80 at
+    most), RHT32+SR 203.5 → 205.8 (212 instead of 168), RHT16+RTN 136.0 → 142.0, RHT16+SR
+    206.8 → 211.2, SR 182.1 → 184.4."""
+    return (tiles > 1 and src == SRC_DENSE and groups and not cols and mode == "rtn"
+            and four_over_six)
+
+
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
     rot, inv, signs = _rotation(signs)
@@ -465,7 +478,9 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
                 TILE2D=tile2d, RAND=rand, WRITE_VALUES=values,
                 PACK=codes_out, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
-                GROUPS=groups, TILES=tiles, num_warps=nw, **meta)
+                GROUPS=groups, TILES=tiles,
+                PREFETCH=_prefetches(src, cols, groups, tiles, mode, four_over_six),
+                num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             align_tiles = _cdiv(M, bm) * _cdiv(Kd // GROUP, g)

@@ -399,7 +399,7 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
                ROT: tl.constexpr, INV_SQRT: tl.constexpr, EVEN: tl.constexpr,
                GROUPS: tl.constexpr,
                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr,
-               SPLIT: tl.constexpr):
+               SPLIT: tl.constexpr, PRE: tl.constexpr = False, lo=0, hi=0):
     """The fp32 tile ``A[m, k]`` (``[BM, CH, R, 16]``) as the reference sees it: ``src.dense()``,
     then rotated (``(x ⊙ σ) · H / √h``, h = 16·R; ``sgm``: σ's :func:`_sign_masks`) when
     ROT > 0. Masked elements are 0.
@@ -419,7 +419,9 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
                                        SRC, BM, CH * R * 16), (BM, CH, R, 16))
     else:
         mask = ((m < M) & (k < K)) | EVEN
-        if SRC == 0 and GROUPS:
+        if PRE:
+            x = _join_halves(lo, hi, BM, CH, R)
+        elif SRC == 0 and GROUPS:
             x = _load_groups(x_ptr, pid_m, pid_k, M, K, stride_m, stride_k, EVEN, BM, CH, R)
         elif SRC == 0:
             x = tl.load(x_ptr + m * stride_m + k * stride_k, mask=mask, other=0.0).to(tl.float32)
@@ -436,17 +438,33 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
 
 
 @triton.jit
+def _load_halves(ptr, pid_m, pid_k, M, K, stride_m, stride_k, live, EVEN: tl.constexpr,
+                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
+    """The two halves ``[BM, CH, R, 8]`` of each 16-group of a dense row tile, as stored (not
+    converted), for :func:`_join_halves`; ``live`` (a scalar) masks the whole tile."""
+    m, k = _tile_index(pid_m, pid_k, BM, CH, R, 8)
+    mask = (((m < M) & (k < K)) | EVEN) & live  # live: a scalar predicate, no per-element mask
+    lo = tl.load(ptr + m * stride_m + k * stride_k, mask=mask, other=0.0)
+    hi = tl.load(ptr + m * stride_m + (k + 8) * stride_k, mask=mask, other=0.0)
+    return lo, hi
+
+
+@triton.jit
+def _join_halves(lo, hi, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
+    """The FP32 tile ``[BM, CH, R, 16]`` of :func:`_load_halves`' halves, each 16-group in one
+    thread's registers."""
+    x = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 2, 4, 3)), (BM, CH, R, 16))
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _load_groups(ptr, pid_m, pid_k, M, K, stride_m, stride_k, EVEN: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
     """The FP32 tile ``[BM, CH, R, 16]`` of a dense operand read along its rows, loaded as the
     two halves of each 16-group and joined in registers, so that each thread holds whole groups
     (:func:`_store_groups`)."""
-    m, k = _tile_index(pid_m, pid_k, BM, CH, R, 8)
-    mask = ((m < M) & (k < K)) | EVEN
-    lo = tl.load(ptr + m * stride_m + k * stride_k, mask=mask, other=0.0)
-    hi = tl.load(ptr + m * stride_m + (k + 8) * stride_k, mask=mask, other=0.0)
-    x = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 2, 4, 3)), (BM, CH, R, 16))
-    return x.to(tl.float32)
+    lo, hi = _load_halves(ptr, pid_m, pid_k, M, K, stride_m, stride_k, True, EVEN, BM, CH, R)
+    return _join_halves(lo, hi, BM, CH, R)
 
 
 @triton.jit
@@ -663,7 +681,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                  MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                  RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
                  POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
-                 TILES: tl.constexpr,
+                 TILES: tl.constexpr, PREFETCH: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """Quantize one tile of ``A`` along K (see the module docstring).
 
@@ -672,7 +690,10 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     quantities are ``[BM, CH, R]`` and broadcast back with ``expand_dims``. GROUPS (the launcher's
     ``whole_groups``: SR, 4/6, rotations, MS-EDEN) keeps each 16-group in one thread's registers
     (loaded by :func:`_load_groups`, or :func:`_load_groups_cols` with COLS; stored by
-    :func:`_store_groups`).
+    :func:`_store_groups`). TILES > 1: each program quantizes that many consecutive tiles in a
+    loop; with PREFETCH (dense rows by whole groups, the launcher's ``_prefetches``) it issues
+    the next tile's loads (:func:`_load_halves`) before quantizing the current one, so that their
+    latency hides behind the work instead of behind other warps.
 
     Outputs (logical layout, row-major): ``val`` BF16 ``M × K`` (``q · s_block``), ``code`` uint8
     ``M × K/2`` (element 2i in the low nibble), ``sc`` uint8 E4M3 bits ``M × K/16`` (or
@@ -694,12 +715,26 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         first = tl.program_id(0) * TILES
         cmax = 0.0
         cmin = _POS_INF
-        for t in tl.range(first, tl.minimum(first + TILES, tl.cdiv(M, BM) * n_k)):
+        last = tl.minimum(first + TILES, tl.cdiv(M, BM) * n_k)
+        lo = 0
+        hi = 0
+        if PREFETCH:
+            lo, hi = _load_halves(x_ptr, first // n_k, first % n_k, M, K, stride_m, stride_k,
+                                  first < last, EVEN, BM, CH, R)
+        for t in tl.range(first, last):
+            lo_next = lo
+            hi_next = hi
+            if PREFETCH:  # the next tile's loads are in flight while this one is quantized
+                lo_next, hi_next = _load_halves(x_ptr, (t + 1) // n_k, (t + 1) % n_k, M, K,
+                                                stride_m, stride_k, t + 1 < last, EVEN, BM, CH, R)
             tmax, tmin = _quant_tile(
                 x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
                 sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream, t // n_k, t % n_k,
                 T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE, FOUR_SIX, TILE2D,
-                RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R)
+                RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R, PREFETCH, lo,
+                hi)
+            lo = lo_next
+            hi = hi_next
             cmax = tl.maximum(cmax, tmax)
             cmin = tl.minimum(cmin, tmin)
     else:
@@ -725,7 +760,8 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
                 MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                 RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
                 POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
-                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+                BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr,
+                PRE: tl.constexpr = False, lo=0, hi=0):
     """One tile of :func:`quant_kernel`; returns its largest and least positive corrected scales
     (POSTHOC; else 0 and +inf)."""
     cmax = 0.0
@@ -733,7 +769,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, EVEN, GROUPS, BM, CH, R,
-                   LOG_R, not FOUR_SIX)
+                   LOG_R, not FOUR_SIX, PRE, lo, hi)
     mask = ((m < M) & (k < K)) | EVEN  # EVEN: whole tiles only, no masks
 
     if POSTHOC:
