@@ -339,9 +339,9 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
     return out
 
 
-def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool, codes: bool):
+def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool):
     sc = (M // GROUP, Kd // GROUP) if mode == "rtn_2d" else (M, Kd // GROUP)
-    return ((M, Kd) if values else (0,)), ((M, Kd // 2) if codes else (0,)), (sc if pack else (0,))
+    return ((M, Kd) if values else (0,)), ((M, Kd // 2) if pack else (0,)), (sc if pack else (0,))
 
 
 TRANSPOSE_COLS = not _INTERPRET and os.environ.get("NVFP4_TRANSPOSE_COLS", "1") != "0"
@@ -434,7 +434,6 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
     dev = x.device
-    codes_out = pack or posthoc  # the align pass reads the codes
     if posthoc:  # the first pass sends max(c) and the least positive c to the align pass
         amax = torch.zeros(2, dtype=torch.float32, device=dev)
         current = amax[0]
@@ -442,7 +441,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         current = (amax.to(torch.float32, copy=True) if amax is not None  # an output: no alias
                    else _amax_impl(x, x_scales, src, transpose, in_scale, signs))
         amax = current if prev_amax is None else torch.where(prev_amax > 0, prev_amax.float(), current)
-    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack, codes_out)
+    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
     val = torch.empty(vshape, dtype=torch.bfloat16, device=dev)
     codes = torch.empty(cshape, dtype=torch.uint8, device=dev)
     scales = torch.empty(sshape, dtype=torch.uint8, device=dev)
@@ -477,7 +476,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None,
                 ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
                 TILE2D=tile2d, RAND=rand, WRITE_VALUES=values,
-                PACK=codes_out, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
+                PACK=pack, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
                 GROUPS=groups, TILES=tiles,
                 PREFETCH=_prefetches(src, cols, groups, tiles, mode, four_over_six),
                 num_warps=nw, **meta)
@@ -485,7 +484,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             align_tiles = _cdiv(M, bm) * _cdiv(Kd // GROUP, g)
             _launch(K.eden_align_kernel, (min(align_tiles, _align_programs(dev)),),
-                    codes, c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
+                    c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
                     SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
                     BM=bm, G=g, num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
@@ -494,7 +493,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
 def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
     M, Kd, *_ = _operand(x, src, transpose)
-    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack, pack or posthoc)
+    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
     dev = x.device
     return (x.new_empty(vshape, dtype=torch.bfloat16), x.new_empty(cshape, dtype=torch.uint8),
             x.new_empty(sshape, dtype=torch.float8_e4m3fn),

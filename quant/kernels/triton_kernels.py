@@ -15,8 +15,8 @@ tensor does not fit on chip. RTN, SR and 4/6 (and MS-EDEN with ``range_alignment
 FP32 scalar; :func:`quant_kernel` reads ``A`` again and writes the GEMM-ready values
 ``q · s_block`` in BF16 and, optionally, the packed storage form. MS-EDEN with post hoc range
 alignment (the default): :func:`quant_kernel` (``POSTHOC``) reads ``A`` once and writes the values
-(``q · s_block · s_tensor``: the tensor scale is a power of two, exact to fold), the codes and
-the corrected scales with their stochastic roundings, ``atomic_max``-ing the largest (and the
+(``q · s_block · s_tensor``: the tensor scale is a power of two, exact to fold), the codes if
+the packed form is wanted, and the corrected scales with their stochastic roundings, ``atomic_max``-ing the largest (and the
 least positive); the light :func:`eden_align_kernel` then sets the tensor scale, reads the
 scales' E4M3 bits off those roundings when the packed form is wanted and rewrites the rare groups
 whose values depended on the tensor scale, if there are any (usually not: it then reads nothing).
@@ -701,9 +701,9 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
 
     POSTHOC (MS-EDEN only): the first pass of post hoc range alignment
     (``quantize_ms_eden(posthoc=True)``): no amax is read; provisional scales
-    ``m3(amax_b / v)``; the codes, the corrected scales ``c`` and their roundings ``sr_m3(c)``
-    (:func:`_sr_m3`: the tensor scale folded in; FP32, ``2 × M × K/16`` at ``c_ptr``) and the
-    values ``q · sr_m3(c)`` are written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``
+    ``m3(amax_b / v)``; the codes (with PACK), the corrected scales ``c`` and their roundings
+    ``sr_m3(c)`` (:func:`_sr_m3`: the tensor scale folded in; FP32, ``2 × M × K/16`` at
+    ``c_ptr``) and the values ``q · sr_m3(c)`` are written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``
     (and the least positive c into ``amax_ptr + 1``, :func:`_from_inf`);
     :func:`eden_align_kernel` then sets the tensor scale, writes the E4M3 scales and fixes the
     values it must.
@@ -842,6 +842,10 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
             # sr(c / s_t) · s_t, wherever the align pass finds it exact; the align pass reads it
             # back instead of drawing again
             s_out = _sr_m3(c, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
+            # A positive c that sr_m3 rounds to 0 (c < 2^-126) gets 2^-126 instead, so that the
+            # align pass, which rewrites such groups, reads q back off the values as
+            # ``val / s_out``; the codes are then written only for the packed form.
+            s_out = tl.where((s_out == 0) & (c > 0), 1.1754943508222875e-38, s_out)
             tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
             tl.store(c_ptr + M * (K // 16) + gm * (K // 16) + g, s_out, mask=gmask)
         else:
@@ -864,7 +868,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
 
 
 @triton.jit
-def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
+def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
                       stream, RAND: tl.constexpr, SCALES: tl.constexpr, FIX_VALUES: tl.constexpr,
                       EVEN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     """Second pass of MS-EDEN's post hoc range alignment (``quantize_ms_eden(posthoc=True)``,
@@ -873,12 +877,14 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
     kernel), read off the first pass's ``sr_m3(c) = s · s_t`` (no draw) except in the rare
     groups below, which draw again. Reads 0.25 bytes per element.
 
-    The first pass wrote the values ``q · sr_m3(c)`` (:func:`_sr_m3`). They are ``(q · s) ·
-    s_t`` wherever the two roundings use the same grid, i.e. unless ``c / s_t < 2^-6`` (below
-    E4M3's normal range: groups about 2^14 below the tensor's largest) or ``c < 2^-123``
-    (:func:`_sr_m3`'s least exponent); with FIX_VALUES the tiles holding such groups rewrite
-    their values ``(q · s) · s_t`` from the codes. (On one grid ``down``, ``up`` and ``P(up)``
-    all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the choice of ``s_t``.)
+    The first pass wrote the values ``q · r`` with ``r = sr_m3(c)`` (:func:`_sr_m3`; 2^-126
+    where that is 0 for a positive c). They are ``(q · s) · s_t`` wherever the two roundings use
+    the same grid, i.e. unless ``c / s_t < 2^-6`` (below E4M3's normal range: groups about 2^14
+    below the tensor's largest) or ``c < 2^-123`` (:func:`_sr_m3`'s least exponent); with
+    FIX_VALUES the tiles holding such groups rewrite their values ``(q · s) · s_t``, reading q
+    as ``(q · r) / r`` (exact; the first pass writes no codes for it, session 13). (On one grid
+    ``down``, ``up`` and ``P(up)`` all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the
+    choice of ``s_t``.)
 
     A 1-D grid of programs strides over the tiles. Some group needs fixing iff the least positive
     ``c`` (sent by the first pass at ``cmax_ptr + 1``, :func:`_from_inf`) does, as ``c / s_t`` is
@@ -895,7 +901,7 @@ def eden_align_kernel(code_ptr, c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_pt
             gm = (t // n_g) * BM + tl.arange(0, BM)[:, None]
             g = (t % n_g) * G + tl.arange(0, G)[None, :]
             gmask = ((gm < M) & (g < K // 16)) | EVEN
-            _align_tile(code_ptr, c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M,
+            _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M,
                         K, stream, RAND, SCALES, FIX_VALUES, BM, G)
 
 
@@ -908,7 +914,7 @@ def _needs_fix(c, c_t):
 
 
 @triton.jit
-def _align_tile(code_ptr, c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M, K,
+def _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M, K,
                 stream, RAND: tl.constexpr, SCALES: tl.constexpr, FIX_VALUES: tl.constexpr,
                 BM: tl.constexpr, G: tl.constexpr):
     """:func:`eden_align_kernel`'s E4M3 scale bits (SCALES) and fixed values of one tile."""
@@ -928,10 +934,12 @@ def _align_tile(code_ptr, c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, g
             gm3 = tl.expand_dims(gm, 2)
             g3 = tl.expand_dims(g, 2)
             fix3 = tl.expand_dims(fix, 2)
-            j = tl.arange(0, 8)[None, None, :]
-            byte = tl.load(code_ptr + gm3 * (K // 2) + g3 * 8 + j, mask=fix3, other=0).to(tl.int32)
-            q = _e2m1_value(_byte_codes(byte, (BM, G, 16)))
             k = g3 * 16 + tl.arange(0, 16)[None, None, :]
+            # q is the first pass's value over its scale r (positive in every group to fix),
+            # exactly: q · r has at most 6 significant bits and is at least 2^-127, so it was
+            # stored exactly in BF16
+            old = tl.load(val_ptr + gm3 * K + k, mask=fix3, other=0.0).to(tl.float32)
+            q = tl.math.div_rn(old, tl.expand_dims(tl.where(fix, r, 1.0), 2))
             v = (q * tl.expand_dims(s, 2)) * s_t
             tl.store(val_ptr + gm3 * K + k, v.to(tl.bfloat16), mask=fix3)
     if SCALES:
