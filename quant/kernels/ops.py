@@ -351,7 +351,7 @@ from a contiguous ``A`` made by :func:`transpose_kernel` (one coalesced read and
 than in the quantization kernels' on-chip transpose. Both give the same bits (tests run both).
 With triton 3.6 on the H200 the on-chip transpose costs more than the pass: over the ten kernels
 of ``scripts/bench_kernels.py`` at their best column tiles, 4742 µs against 2975 µs transposing
-first (session 5; docs/performance.md). The interpreter uses the kernels' column paths."""
+first (session 5; docs/performance-history.md). The interpreter uses the kernels' column paths."""
 _TRANSPOSE_TILE = (64, 64, 4)
 
 _SOURCE_NAMES = {"dense": SRC_DENSE, "packed": SRC_PACKED, "packed_2d": SRC_PACKED_2D}
