@@ -62,7 +62,8 @@ def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "phil
     consts = dict(T_TENSOR=t_t, T_BLOCK=t_b, SRC=0, COLS=cols, HAS_SCALE=False, ROT=rot,
                   INV_SQRT=ops._f32(1 / math.sqrt(rot)) if rot else 1.0,
                   MODE=ops.MODES[mode], FOUR_SIX=four_six,
-                  TILE2D=mode == "rtn_2d", RAND=int(draws == "philox"), WRITE_VALUES=True, PACK=True,
+                  TILE2D=mode == "rtn_2d", RAND=int(draws == "philox"), WRITE_VALUES=True,
+                  PACK=not posthoc,  # post hoc MS-EDEN serves the backward, which packs nothing
                   POSTHOC=posthoc,
                   TILES=tiles, PREFETCH=ops._prefetches(0, cols, groups, tiles, mode, four_six),
                   EVEN=True, GROUPS=groups, **meta,

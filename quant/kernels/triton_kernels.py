@@ -16,10 +16,11 @@ FP32 scalar; :func:`quant_kernel` reads ``A`` again and writes the GEMM-ready va
 ``q · s_block`` in BF16 and, optionally, the packed storage form. MS-EDEN with post hoc range
 alignment (the default): :func:`quant_kernel` (``POSTHOC``) reads ``A`` once and writes the values
 (``q · s_block · s_tensor``: the tensor scale is a power of two, exact to fold), the codes if
-the packed form is wanted, and the corrected scales with their stochastic roundings, ``atomic_max``-ing the largest (and the
-least positive); the light :func:`eden_align_kernel` then sets the tensor scale, reads the
-scales' E4M3 bits off those roundings when the packed form is wanted and rewrites the rare groups
-whose values depended on the tensor scale, if there are any (usually not: it then reads nothing).
+the packed form is wanted, and the corrected scales with their stochastic roundings,
+``atomic_max``-ing the largest (and the least positive); the light :func:`eden_align_kernel`
+then sets the tensor scale, reads the scales' E4M3 bits off those roundings when the packed
+form is wanted and rewrites the rare groups whose values depended on the tensor scale, if there
+are any (usually not: it then reads nothing).
 
 Bit-exactness rules (the reference is the contract):
 * every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs)
@@ -418,7 +419,8 @@ def _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m
     (``C = P_C``), ``A = P`` (or ``A = Pᵀ`` with COLS); the value is ``q · s_block`` (exact), as
     ``NVFP4Tensor.scaled_values``. COLS: ``A`` is read across memory rows (``A = Xᵀ`` or
     ``A = Pᵀ``): by slices with GROUPS (:func:`_load_groups_cols`, which SPLIT passes on),
-    else transposed on chip (:func:`_load_tile_cols`).
+    else transposed on chip (:func:`_load_tile_cols`). PRE: a dense row tile whose halves
+    ``lo`` and ``hi`` are already loaded (:func:`_load_halves`).
     """
     if COLS and GROUPS:
         x = _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C, SRC,
@@ -715,8 +717,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     (``quantize_ms_eden(posthoc=True)``): no amax is read; provisional scales
     ``m3(amax_b / v)``; the codes (with PACK), the corrected scales ``c`` and their roundings
     ``sr_m3(c)`` (:func:`_sr_m3`: the tensor scale folded in; FP32, ``2 × M × K/16`` at
-    ``c_ptr``) and the values ``q · sr_m3(c)`` are written and ``max(c)`` is ``atomic_max``-ed into ``amax_ptr``
-    (and the least positive c into ``amax_ptr + 1``, :func:`_from_inf`);
+    ``c_ptr``) and the values ``q · sr_m3(c)`` are written and ``max(c)`` is ``atomic_max``-ed
+    into ``amax_ptr`` (and the least positive c into ``amax_ptr + 1``, :func:`_from_inf`);
     :func:`eden_align_kernel` then sets the tensor scale, writes the E4M3 scales and fixes the
     values it must.
     """
