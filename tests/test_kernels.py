@@ -363,9 +363,10 @@ def test_kernel_options_refuse_bad_values():
 
 
 def test_sliced_sources_choose_the_column_path(monkeypatch):
-    """Which column operands take the transpose pass (``ops._transposes_first``): by default
-    none of the dense ones, the packed ones under MS-EDEN neither (sliced), but the packed
-    ones under SR do; plain RTN (not whole groups) always does."""
+    """Which column operands take the transpose pass (``ops._transposes_first``): under
+    ``NVFP4_SLICED_COLS=dense,packed:ms_eden`` none of the dense ones, the packed ones under
+    MS-EDEN neither (sliced), but the packed ones under SR do; plain RTN (not whole groups)
+    always does. By default (``dense``) every packed one does."""
     monkeypatch.setattr(kops, "TRANSPOSE_COLS", True)
     monkeypatch.setattr(kops, "SLICED_COLS", kops._sliced_sources("dense,packed:ms_eden"))
     first = kops._transposes_first
@@ -375,6 +376,9 @@ def test_sliced_sources_choose_the_column_path(monkeypatch):
     assert first(kops.SRC_PACKED_2D, True, True, "ms_eden")
     assert first(kops.SRC_DENSE, True, False, "rtn")
     assert not first(kops.SRC_DENSE, False, True, "sr")  # rows never
+    monkeypatch.setattr(kops, "SLICED_COLS", kops._sliced_sources("dense"))
+    assert first(kops.SRC_PACKED, True, True, "ms_eden")
+    assert not first(kops.SRC_DENSE, True, True, "ms_eden")
 
 
 @pytest.mark.parametrize("tiles", [1, 5])

@@ -373,16 +373,21 @@ def _sliced_sources(spec: str) -> frozenset:
     return frozenset(pairs)
 
 
-SLICED_COLS = _sliced_sources(os.environ.get("NVFP4_SLICED_COLS", "dense,packed:ms_eden"))
+SLICED_COLS = _sliced_sources(os.environ.get("NVFP4_SLICED_COLS", "dense"))
 """Which column operands, under a quantizer that holds whole groups per thread
 (:func:`whole_groups`), the quantization kernel loads by row-wise slices joined in registers
 (``_load_groups_cols``: no transpose pass, no on-chip transpose), as ``(source kind,
 quantizer)`` pairs (quantizer None: all); the others are transposed first under
 :data:`TRANSPOSE_COLS` (without it, whole-group quantizers load every column operand by
-slices). By default dense sources, and packed ones under MS-EDEN (quartet2's X̂ᵀ and Ŵᵀ), where
-the slices measured as fast as the pass (H200, 16384×4096: 215.1 against 214.1 µs; 100m
-quartet2 steps 48.5 ms either way, session 8); packed sources under SR took 311.1 against
-274.7 µs sliced, so they keep the pass. ``NVFP4_SLICED_COLS`` (comma-separated ``kind`` or
+slices). By default the dense sources only. Packed sources (the saved X̂ and Ŵ) are
+transposed first: a thread of the slices holds one group of each of two rows (a byte holds
+two), so every stage of a rotation chunk's butterfly crosses lanes, and the decoding adds
+about 13 SASS instructions per element. H200 (session 14), quartet2's X̂ᵀ in a compiled 100m
+step: 52.4 µs against 59.2 sliced at 16384×1024, 129.8 against 133.0 at 16384×2816; the
+steps 46.5 / 46.6 ms against 46.8 / 46.7 sliced, 1.9b 400.6 against 401.1 ms (peak memory
+59.2 GiB both). (Session 8 had measured the two even: 215.1 against 214.1 µs at 16384×4096;
+the row kernels have since become faster.) Packed sources under SR took 311.1 µs against
+274.7 transposed first. ``NVFP4_SLICED_COLS`` (comma-separated ``kind`` or
 ``kind:quantizer``; empty for none) overrides it."""
 
 
