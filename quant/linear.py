@@ -79,7 +79,8 @@ def uniforms(rng: torch.Generator | PhiloxStream, shape: tuple[int, ...], mode: 
     if isinstance(rng, PhiloxStream):
         from .kernels import ops
 
-        return ops.philox_uniforms(rng.key, math.prod(shape), mode, rng.stream).reshape(shape)
+        return ops.philox_uniforms(rng.key, math.prod(shape), mode, rng.stream,
+                                   shape[-1] if mode == "ms_eden" else 0).reshape(shape)
     return torch.rand(shape, generator=rng, device=device)
 
 

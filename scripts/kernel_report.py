@@ -66,6 +66,8 @@ def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "phil
                   PACK=not posthoc,  # post hoc MS-EDEN serves the backward, which packs nothing
                   POSTHOC=posthoc,
                   TILES=tiles, PREFETCH=ops._prefetches(0, cols, groups, tiles, mode, four_six),
+                  # as the launcher builds it for K a multiple of 512
+                  SHARED_U=ops._shares_draws(tiles, max(bk, rot), mode, int(draws == "philox"), 512),
                   EVEN=True, GROUPS=groups, **meta,
                   **{"stride_m" if cols else "stride_k": 1})  # the unit stride, as triton specializes it
     fn = K.quant_kernel

@@ -185,7 +185,8 @@ def test_rht_ms_eden(shape, transpose, seeded, posthoc):
     signs = random_signs(h, torch.Generator().manual_seed(6), "cpu")
     if seeded:
         seed = torch.tensor([987654321], dtype=torch.int64, device=DEV)
-        u = K.philox_uniforms(seed, a.numel() // 16, "ms_eden", 5).cpu().reshape(a.shape[0], -1)
+        u = K.philox_uniforms(seed, a.numel() // 16, "ms_eden", 5, a.shape[1] // 16).cpu()
+        u = u.reshape(a.shape[0], -1)
         out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, None, seed, None, True, stream=5,
                             posthoc=posthoc)
     else:
@@ -381,6 +382,37 @@ def test_sliced_sources_choose_the_column_path(monkeypatch):
     assert not first(kops.SRC_DENSE, True, True, "ms_eden")
 
 
+@pytest.mark.parametrize("posthoc", [False, True])
+def test_shared_eden_draws(posthoc, monkeypatch):
+    """A program of four 128-column tiles in one block of 32 groups draws MS-EDEN's uniforms
+    once for all four (``ops._shares_draws``, ``SHARED_U``), and they are the draws of
+    ``philox_uniforms``, which computes each group's on its own: 10×1024 has two blocks per
+    row and a partial last row of 4-row tiles."""
+    monkeypatch.setattr(kops, "_TILES_OVERRIDE", 4)
+    if not CUDA:
+        monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
+    assert kops._shares_draws(4, 128, "ms_eden", 1, 1024)
+    assert not kops._shares_draws(4, 128, "ms_eden", 1, 1280)  # K % 512 != 0
+    x = _data((10, 1024), seed=47)
+    seed = torch.tensor([55555], dtype=torch.int64, device=DEV)
+    signs = random_signs(128, torch.Generator().manual_seed(48), "cpu")
+    u = K.philox_uniforms(seed, x.numel() // 16, "ms_eden", 3, 64).cpu().reshape(10, -1)
+    out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, None, seed, None, True, stream=3,
+                        posthoc=posthoc)
+    _check(out, quantize_ms_eden(rotate(x, signs), u, chunk=128, posthoc=posthoc),
+           posthoc=posthoc)
+
+
+def test_eden_draws_need_the_row_length():
+    """MS-EDEN's seeded draws depend on the row length, so ``philox_uniforms`` refuses to
+    materialise them without it."""
+    seed = torch.tensor([1], dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="groups = K/16"):
+        K.philox_uniforms(seed, 64, "ms_eden", 0)
+    with pytest.raises(ValueError, match="dividing n = 64"):
+        K.philox_uniforms(seed, 64, "ms_eden", 0, 48)
+
+
 @pytest.mark.parametrize("tiles", [1, 5])
 def test_tiles_per_program(tiles, monkeypatch):
     """Programs that loop over several tiles (the GPU's one-warp wide-rotation tiles take 4)
@@ -395,7 +427,7 @@ def test_tiles_per_program(tiles, monkeypatch):
     x[0, 200] = 1e4  # the tensor's maximum, in tile 1 of the first program: not its last
     seed = torch.tensor([123456789], dtype=torch.int64, device=DEV)
     signs = random_signs(128, torch.Generator().manual_seed(45), "cpu")
-    u = K.philox_uniforms(seed, x.numel() // 16, "ms_eden", 2).cpu().reshape(48, -1)
+    u = K.philox_uniforms(seed, x.numel() // 16, "ms_eden", 2, 16).cpu().reshape(48, -1)
     out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, None, seed, None, True, stream=2, posthoc=True)
     _check(out, quantize_ms_eden(rotate(x, signs), u, chunk=128, posthoc=True), posthoc=True)
     signs32 = signs[:32].contiguous()

@@ -429,6 +429,14 @@ def _prefetches(src: int, cols: bool, groups: bool, tiles: int, mode: str,
             and four_over_six)
 
 
+def _shares_draws(tiles: int, bk: int, mode: str, rand: int, Kd: int) -> bool:
+    """Whether a program of ``quant_kernel`` draws MS-EDEN's group uniforms once for all its
+    tiles (its ``SHARED_U``; ``triton_kernels._eden_draw``): four 128-column tiles of one block
+    of 32 groups, which a 1-D grid of four-tile programs gives when K is a multiple of 512 (a
+    row then holds whole programs). Seeded draws only."""
+    return tiles == 4 and bk == 128 and mode == "ms_eden" and rand == 1 and Kd % 512 == 0
+
+
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
     rot, inv, signs = _rotation(signs)
@@ -484,7 +492,7 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 PACK=pack, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
                 GROUPS=groups, TILES=tiles,
                 PREFETCH=_prefetches(src, cols, groups, tiles, mode, four_over_six),
-                num_warps=nw, **meta)
+                SHARED_U=_shares_draws(tiles, bk, mode, rand, Kd), num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
             align_tiles = _cdiv(M, bm) * _cdiv(Kd // GROUP, g)
@@ -694,29 +702,34 @@ def _(data, scales, tile2d=False):
 _RAND_KINDS = {"sr": 0, "ms_eden": 1, "signs": 2}
 
 
-def _philox_draws(seed: Tensor, stream: int, n: int, kind: str) -> Tensor:
+def _philox_draws(seed: Tensor, stream: int, n: int, kind: str, groups: int = 1) -> Tensor:
     if kind not in _RAND_KINDS:
         raise ValueError(f"philox draws kind must be one of {sorted(_RAND_KINDS)}, got {kind!r}")
     out = torch.empty(n, dtype=torch.int8 if kind == "signs" else torch.float32, device=seed.device)
     if n:
         block = 65536 if _INTERPRET else 1024
-        _launch(K.rand_kernel, (_cdiv(n, block),), seed, out, n, stream,
+        _launch(K.rand_kernel, (_cdiv(n, block),), seed, out, n, groups, stream,
                 KIND=_RAND_KINDS[kind], BLOCK=block, num_warps=4)
     return out
 
 
 @_op
-def philox_uniforms(seed: Tensor, n: int, mode: str = "sr", stream: int = 0) -> Tensor:
+def philox_uniforms(seed: Tensor, n: int, mode: str = "sr", stream: int = 0,
+                    groups: int = 0) -> Tensor:
     """The draws of the seeded kernels for flat offsets ``i < n`` of ``stream``: SR's
     (``mode="sr"``, ``P(i // 4)[i % 4]``; reshape to the operand's ``M × K``) or MS-EDEN's
-    (``mode="ms_eden"``, ``P(i)[0]``; reshape to ``M × K/16``)."""
+    (``mode="ms_eden"``, group ``i % groups`` of row ``i // groups``, ``groups = K/16``, as
+    ``triton_kernels._eden_draw``; reshape to ``M × K/16``)."""
     if mode not in ("sr", "ms_eden"):
         raise ValueError(f"philox_uniforms mode must be 'sr' or 'ms_eden', got {mode!r}")
-    return _philox_draws(seed, stream, n, mode)
+    if mode == "ms_eden" and (groups <= 0 or n % groups):
+        raise ValueError(f"MS-EDEN's draws depend on the row length: pass groups = K/16 > 0 "
+                         f"dividing n = {n}, got groups = {groups}")
+    return _philox_draws(seed, stream, n, mode, max(groups, 1))
 
 
 @_fake(philox_uniforms)
-def _(seed, n, mode="sr", stream=0):
+def _(seed, n, mode="sr", stream=0, groups=0):
     return seed.new_empty((n,), dtype=torch.float32)
 
 

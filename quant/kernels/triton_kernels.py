@@ -38,8 +38,9 @@ per element for SR and one per 16-group for MS-EDEN) or Philox (``RAND=1``) with
 (an int64 scalar read from memory, the step key of :mod:`quant.randomness`) and the stream
 number ``stream`` as the second counter word, i.e. ``P(i) = philox(seed, (i, stream, 0, 0))``,
 four uint32 per call: SR element (m, k) of ``A`` (flat index ``i = m·K + k``) draws
-``P(i // 4)[i % 4]``; MS-EDEN group g of row m draws ``P(m·(K/16) + g)[0]``; Hadamard sign j is
-``+1`` when ``P(j)[0]`` is odd. (Stream 0 is triton's ``tl.rand4x(seed, ·)`` stream.)
+``P(i // 4)[i % 4]``; MS-EDEN group g of row m draws ``P((m·B + g // 32)·8 + g % 8)[(g // 8) % 4]``
+with ``B = ⌈K/512⌉`` blocks of 32 groups per row, so that the groups g, g + 8, g + 16, g + 24
+share one call (:func:`_eden_draw`); Hadamard sign j is ``+1`` when ``P(j)[0]`` is odd. (Stream 0 is triton's ``tl.rand4x(seed, ·)`` stream.)
 :func:`rand_kernel` materialises any of them for ``i = 0..n-1``, i.e. exactly what the seeded
 path uses.
 """
@@ -136,14 +137,31 @@ def _packed_scales(xs_ptr, row, group, mask, P_C, SRC: tl.constexpr):
 @triton.jit
 def _group_uniforms(u_ptr, seed, stream, gm, g, mask, K, RAND: tl.constexpr):
     """MS-EDEN's draw of group ``g`` of row ``gm``: explicit (RAND 0, ``M × K/16``) or Philox
-    under the key ``seed`` (:func:`_load_key`).
+    under the key ``seed`` (:func:`_load_key`, :func:`_eden_draw`).
     (One return after an if/else: triton's compiler also compiles the statements after a
     return inside a constexpr branch, and Philox on RAND 0's placeholder FP32 seed fails.)"""
     if RAND == 0:
         u = tl.load(u_ptr + gm * (K // 16) + g, mask=mask, other=0.0)
     else:
-        u = _philox_uniform(seed, stream, gm * (K // 16) + g)
+        offset, slot = _eden_draw(gm, g, K)
+        r0, r1, r2, r3 = _philox(seed, stream, offset)
+        u = tl.uint_to_uniform_float(_pick(r0, r1, r2, r3, slot))
     return u
+
+
+@triton.jit
+def _eden_draw(gm, g, K):
+    """Philox offset and output of MS-EDEN's group ``g`` of row ``gm`` (module docstring): the
+    row's groups in blocks of 32, and in a block the groups ``g % 8`` apart by 8 share a call,
+    output ``(g // 8) % 4``. A program of :func:`quant_kernel` that quantizes four consecutive
+    128-column tiles of one block then draws once for all four (its ``SHARED_U``)."""
+    return (gm * ((K // 16 + 31) // 32) + g // 32) * 8 + g % 8, (g // 8) % 4
+
+
+@triton.jit
+def _pick(r0, r1, r2, r3, slot):
+    """``(r0, r1, r2, r3)[slot]``, elementwise."""
+    return tl.where(slot == 0, r0, tl.where(slot == 1, r1, tl.where(slot == 2, r2, r3)))
 
 
 @triton.jit
@@ -695,7 +713,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                  MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                  RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
                  POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
-                 TILES: tl.constexpr, PREFETCH: tl.constexpr,
+                 TILES: tl.constexpr, PREFETCH: tl.constexpr, SHARED_U: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """Quantize one tile of ``A`` along K (see the module docstring).
 
@@ -734,6 +752,17 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         pk = first % n_k
         lo = 0
         hi = 0
+        u0 = 0.0
+        u1 = 0.0
+        u2 = 0.0
+        u3 = 0.0
+        if SHARED_U:  # one Philox call for the program's four tiles (:func:`_eden_draw`)
+            gm = pm * BM + tl.arange(0, BM)[:, None, None]
+            g = pk * (CH * R) + tl.arange(0, CH)[None, :, None] * R + tl.arange(0, R)[None, None, :]
+            offset, _ = _eden_draw(gm, g, K)
+            r0, r1, r2, r3 = _philox(seed, stream, offset)
+            u0, u1 = tl.uint_to_uniform_float(r0), tl.uint_to_uniform_float(r1)
+            u2, u3 = tl.uint_to_uniform_float(r2), tl.uint_to_uniform_float(r3)
         if PREFETCH:
             lo, hi = _load_halves(x_ptr, pm, pk, M, K, stride_m, stride_k, first < last, EVEN,
                                   BM, CH, R)
@@ -749,7 +778,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                 sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream, pm, pk,
                 T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE, FOUR_SIX, TILE2D,
                 RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R, PREFETCH, lo,
-                hi)
+                hi, SHARED_U, u0)
+            u0, u1, u2, u3 = u1, u2, u3, u0
             pm = pm_next
             pk = pk_next
             lo = lo_next
@@ -780,9 +810,10 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
                 RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
                 POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr,
-                PRE: tl.constexpr = False, lo=0, hi=0):
+                PRE: tl.constexpr = False, lo=0, hi=0, U_PRE: tl.constexpr = False, u_pre=0.0):
     """One tile of :func:`quant_kernel`; returns its largest and least positive corrected scales
-    (POSTHOC; else 0 and +inf)."""
+    (POSTHOC; else 0 and +inf). ``U_PRE``: MS-EDEN's group draws are ``u_pre``, drawn by the
+    program (its ``SHARED_U``)."""
     cmax = 0.0
     cmin = _POS_INF
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
@@ -860,7 +891,10 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
             cmin = tl.min(tl.min(tl.min(tl.where(c > 0, c, _POS_INF), axis=2), axis=1), axis=0)
             # sr(c / s_t) · s_t, wherever the align pass finds it exact; the align pass reads it
             # back instead of drawing again
-            s_out = _sr_m3(c, _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND))
+            ug = u_pre
+            if not U_PRE:
+                ug = _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND)
+            s_out = _sr_m3(c, ug)
             # A positive c that sr_m3 rounds to 0 (c < 2^-126) gets 2^-126 instead, so that the
             # align pass, which rewrites such groups, reads q back off the values as
             # ``val / s_out``; the codes are then written only for the packed form.
@@ -868,7 +902,9 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
             tl.store(c_ptr + gm * (K // 16) + g, c, mask=gmask)
             tl.store(c_ptr + M * (K // 16) + gm * (K // 16) + g, s_out, mask=gmask)
         else:
-            ug = _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND)
+            ug = u_pre
+            if not U_PRE:
+                ug = _group_uniforms(u_ptr, seed, stream, gm, g, gmask, K, RAND)
             s_out, bits_out = _sr_e4m3(c, ug)
 
     if WRITE_VALUES:
@@ -984,13 +1020,6 @@ def _philox(seed, stream, offset):
 
 
 @triton.jit
-def _philox_uniform(seed, stream, offset):
-    """``P(offset)[0]`` as a uniform in [0, 1) (MS-EDEN's group draw)."""
-    r0, _r1, _r2, _r3 = _philox(seed, stream, offset)
-    return tl.uint_to_uniform_float(r0)
-
-
-@triton.jit
 def _philox_uniforms(seed, stream, offset4, SHAPE: tl.constexpr):
     """Uniforms of shape ``SHAPE`` (last dim a multiple of 4) for flat indices ``i``:
     ``u[i] = P(i // 4)[i % 4]``, given ``offset4 = i // 4`` with the last dim divided by 4 (one
@@ -1002,16 +1031,17 @@ def _philox_uniforms(seed, stream, offset4, SHAPE: tl.constexpr):
 
 
 @triton.jit
-def rand_kernel(seed_ptr, out_ptr, N, stream, KIND: tl.constexpr, BLOCK: tl.constexpr):
+def rand_kernel(seed_ptr, out_ptr, N, G, stream, KIND: tl.constexpr, BLOCK: tl.constexpr):
     """The seeded kernels' draws for flat offsets ``i < N`` (module docstring): KIND 0, SR's
-    element uniforms ``P(i // 4)[i % 4]``; 1, MS-EDEN's group uniforms ``P(i)[0]``; 2, the
-    Hadamard signs ``±1`` (int8) from the parity of ``P(i)[0]``."""
+    element uniforms ``P(i // 4)[i % 4]``; 1, MS-EDEN's group uniforms of row ``i // G``, group
+    ``i % G`` (G groups per row); 2, the Hadamard signs ``±1`` (int8) from the parity of
+    ``P(i)[0]``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     seed = tl.load(seed_ptr)
     if KIND == 0:
         u = _philox_uniforms(seed, stream, tl.program_id(0) * (BLOCK // 4) + tl.arange(0, BLOCK // 4), (BLOCK,))
     elif KIND == 1:
-        u = _philox_uniform(seed, stream, offs)
+        u = _group_uniforms(out_ptr, seed, stream, offs // G, offs % G, offs < N, G * 16, 1)
     else:
         r0, _r1, _r2, _r3 = _philox(seed, stream, offs)
         u = tl.where((r0 & 1) == 1, 1.0, -1.0)
