@@ -3,6 +3,7 @@
     python scripts/bench_step.py --model 1.9b --schemes bf16 quartet2 --ac none full
     python scripts/bench_step.py --model 100m --batch 32 --seq 512 --compile
     python scripts/bench_step.py --model 100m --schemes quartet2 --profile 20   # where the time goes
+    python scripts/bench_step.py --model 100m --schemes quartet2 --compile --profile-ops  # by operand
     python scripts/bench_step.py --model 100m --compile --cuda-graph           # no host overhead
     python scripts/bench_step.py --model 100m --compile --compile-mode reduce-overhead  # blocks as CUDA graphs
     torchrun --nproc_per_node 8 scripts/bench_step.py --model 1.9b --fsdp --batch 16
@@ -17,7 +18,11 @@ trained on random tokens under BF16 autocast. ``--cuda-graph`` captures the whol
 backward, clipping, AdamW) in one CUDA graph after the warm-up and times its replays, so the host
 launch overhead drops out for every scheme alike (the quantizers' draws are read on the device
 from ``quant.randomness.step_key``, so each replay still draws afresh). ``--profile N`` runs one
-more step (a replay, with ``--cuda-graph``) under the profiler. Prints a markdown table: median
+more step (a replay, with ``--cuda-graph``) under the profiler. ``--profile-ops`` profiles the
+last warm-up step (never a graph replay, whose host ranges the profiler cannot see) and gives
+each quantization of the fused kernels its own row, named after its operand: quantizer, source,
+rows or columns, shape, with its kernels' device time (the align pass and fills included).
+Prints a markdown table: median
 step time, tokens/s, MFU against the measured or given BF16 peak, peak memory, and the ratio to
 the first scheme with the same settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
 """
@@ -29,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -94,6 +100,9 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
             t = time.perf_counter()
             if graph is not None:
                 graph.replay()
+            elif args.profile_ops and i == args.warmup - 1:
+                with profile_operands(device):
+                    loss = step()
             else:
                 loss = step()
             if device.type == "cuda":
@@ -112,6 +121,59 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
         torch.cuda.empty_cache()
     return {"ms": med * 1e3, "tps": tokens / med, "flops": flops_per_token * tokens / med, "mem": peak_mem,
             "loss": loss.item()}
+
+
+@contextmanager
+def _labelled_quantizations():
+    """Wrap every kernel quantization (``quant.kernels.ops._quantize_impl``, which the custom ops
+    and the eager path call) in a profiler range named after its operand."""
+    from quant.kernels import ops as kops
+
+    inner = kops._quantize_impl
+
+    def labelled(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, stream,
+                 mode, four_over_six, values, pack, posthoc=False, amax=None):
+        M, K, _, sk, _, pt = kops._operand(x, src, transpose)
+        name = (f"{mode}{'+4/6' if four_over_six else ''}{' post hoc' if posthoc else ''}"
+                f"{f' RHT{signs.numel()}' if signs is not None else ''}"
+                f"{' packed' if src != kops.SRC_DENSE else ''}"
+                f" {'cols' if kops._is_cols(src, sk, pt) else 'rows'} {M}×{K}")
+        with torch.profiler.record_function("nvfp4 " + name):
+            return inner(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
+                         stream, mode, four_over_six, values, pack, posthoc, amax)
+
+    kops._quantize_impl = labelled
+    try:
+        yield
+    finally:
+        kops._quantize_impl = inner
+
+
+@contextmanager
+def profile_operands(device: torch.device):
+    """Profile the enclosed step and print each operand's quantizations (``--profile-ops``):
+    calls, device time (host time on CPU) and time per million elements."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof, _labelled_quantizations():
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    rows: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.name.startswith("nvfp4 "):
+            t = e.device_time_total if device.type == "cuda" else e.cpu_time_total
+            rows.setdefault(e.name[6:], []).append(t)
+    total = sum(sum(v) for v in rows.values())
+    clock = "device" if device.type == "cuda" else "host"
+    print(f"\nquantizations of one step by operand ({clock} time {total / 1e3:.2f} ms):")
+    print("| quantizer, source, direction, M×K | calls | time (ms) | µs/call | µs per M elements |")
+    print("|---|---|---|---|---|")
+    for name, ts in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
+        m, k = (int(v) for v in name.rsplit(" ", 1)[1].split("×"))
+        per = sum(ts) / len(ts)
+        print(f"| {name} | {len(ts)} | {sum(ts) / 1e3:.2f} | {per:.1f} | {per / (m * k / 1e6):.2f} |")
 
 
 def profile_step(step, device: torch.device, top: int) -> None:
@@ -157,7 +219,12 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 over all ranks (torchrun)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile one step and print its N most expensive kernels")
+    p.add_argument("--profile-ops", action="store_true",
+                   help="profile the last warm-up step and print the kernel quantizations by operand")
     a = p.parse_args()
+    if a.profile_ops and a.warmup < 2:
+        p.error("--profile-ops profiles the last warm-up step, which must not be the first "
+                "(it compiles): use --warmup 2 or more")
     mesh, world = None, 1
     if a.fsdp:
         from training.distributed import init_distributed

@@ -22,6 +22,34 @@ def test_bench_step_tables_and_profile():
     assert ratio > 0 and float(rows[-2].split("|")[-2]) == 1.0  # × first scheme: bf16 is the base
 
 
+def test_bench_step_profiles_operands():
+    """``--profile-ops`` names each kernel quantization of a step after its operand: six per
+    quantized linear for quartet2 (X and W forward; E, Eᵀ, X̂ᵀ, Ŵᵀ backward), here the kernels
+    run in the interpreter on CPU. It refuses to profile the compiling first step."""
+    import os
+
+    import yaml
+
+    env = dict(os.environ, NVFP4_BACKEND="triton", TRITON_INTERPRET="1")
+    cmd = [sys.executable, "scripts/bench_step.py", "--model", "tiny", "--schemes", "quartet2",
+           "--steps", "1", "--batch", "2", "--seq", "64", "--profile-ops"]
+    bad = subprocess.run(cmd + ["--warmup", "1"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--warmup 2 or more" in bad.stderr
+    r = subprocess.run(cmd + ["--warmup", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines()
+            if line.startswith(("| rtn", "| ms_eden"))]
+    cfg = yaml.safe_load((ROOT / "configs" / "model" / "tiny.yaml").read_text())
+    assert sum(int(c[1]) for c in rows) == 6 * 4 * cfg["n_layer"]
+    names = [c[0].strip() for c in rows]
+    tokens = 2 * 64
+    assert f"rtn+4/6 rows {tokens}×{cfg['d_model']}" in names  # X of the qkv, o and gate_up projections
+    assert any(n.startswith("ms_eden post hoc RHT128 packed cols") for n in names)  # X̂ᵀ
+    assert all(float(c[2]) > 0 and float(c[4]) > 0 for c in rows)
+
+
 def test_kernel_report_compiles_for_sm90_offline():
     import pytest
     import triton
