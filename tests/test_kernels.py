@@ -382,24 +382,27 @@ def test_sliced_sources_choose_the_column_path(monkeypatch):
     assert not first(kops.SRC_DENSE, True, True, "ms_eden")
 
 
+@pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("posthoc", [False, True])
-def test_shared_eden_draws(posthoc, monkeypatch):
+def test_shared_eden_draws(posthoc, transpose, monkeypatch):
     """A program of four 128-column tiles in one block of 32 groups draws MS-EDEN's uniforms
     once for all four (``ops._shares_draws``, ``SHARED_U``), and they are the draws of
-    ``philox_uniforms``, which computes each group's on its own: 10×1024 has two blocks per
-    row and a partial last row of 4-row tiles."""
+    ``philox_uniforms``, which computes each group's on its own: a 10×1024 operand (rows, or
+    the columns of a 1024×10 tensor) has two blocks per row and a partial last row of 4-row
+    tiles."""
     monkeypatch.setattr(kops, "_TILES_OVERRIDE", 4)
     if not CUDA:
         monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
     assert kops._shares_draws(4, 128, "ms_eden", 1, 1024)
     assert not kops._shares_draws(4, 128, "ms_eden", 1, 1280)  # K % 512 != 0
-    x = _data((10, 1024), seed=47)
+    x = _data((1024, 10) if transpose else (10, 1024), seed=47)
+    a = _logical(x, transpose)
     seed = torch.tensor([55555], dtype=torch.int64, device=DEV)
     signs = random_signs(128, torch.Generator().manual_seed(48), "cpu")
     u = K.philox_uniforms(seed, x.numel() // 16, "ms_eden", 3, 64).cpu().reshape(10, -1)
-    out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, None, seed, None, True, stream=3,
+    out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, None, seed, None, True, stream=3,
                         posthoc=posthoc)
-    _check(out, quantize_ms_eden(rotate(x, signs), u, chunk=128, posthoc=posthoc),
+    _check(out, quantize_ms_eden(rotate(a, signs), u, chunk=128, posthoc=posthoc),
            posthoc=posthoc)
 
 
