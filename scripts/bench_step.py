@@ -22,9 +22,8 @@ more step (a replay, with ``--cuda-graph``) under the profiler. ``--profile-ops`
 last warm-up step (never a graph replay, whose host ranges the profiler cannot see) and gives
 each quantization of the fused kernels its own row, named after its operand: quantizer, source,
 rows or columns, shape, with its kernels' device time (the align pass and fills included).
-Prints a markdown table: median
-step time, tokens/s, MFU against the measured or given BF16 peak, peak memory, and the ratio to
-the first scheme with the same settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
+Prints a markdown table: median step time, tokens/s, MFU against the measured or given BF16
+peak, peak memory, and the ratio to the first scheme with the same settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
 """
 
 from __future__ import annotations
