@@ -375,6 +375,15 @@ def _next_tile(pid_m, pid_k, n_k):
 
 
 @triton.jit
+def _group_index(pid_m, pid_k, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr):
+    """Row ``gm`` and 16-group ``g = k / 16`` of each ``[BM, CH, R]`` entry of a tile (int32),
+    broadcastable: the group-level :func:`_tile_index`."""
+    gm = pid_m * BM + tl.arange(0, BM)[:, None, None]
+    g = pid_k * (CH * R) + tl.arange(0, CH)[None, :, None] * R + tl.arange(0, R)[None, None, :]
+    return gm, g
+
+
+@triton.jit
 def _tile_index(pid_m, pid_k, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr,
                 N: tl.constexpr = 16):
     """Row ``m`` ``[BM,1,1,1]`` and reduction index ``k`` ``[1,CH,R,N]`` of a tile (int32): the
@@ -763,8 +772,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         u2 = 0.0
         u3 = 0.0
         if SHARED_U:  # one Philox call for the program's four tiles (:func:`_eden_draw`)
-            gm = pm * BM + tl.arange(0, BM)[:, None, None]
-            g = pk * (CH * R) + tl.arange(0, CH)[None, :, None] * R + tl.arange(0, R)[None, None, :]
+            gm, g = _group_index(pm, pk, BM, CH, R)
             offset, _ = _eden_draw(gm, g, K)
             r0, r1, r2, r3 = _philox(seed, stream, offset)
             u0, u1 = tl.uint_to_uniform_float(r0), tl.uint_to_uniform_float(r1)
@@ -881,9 +889,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
               + tl.arange(0, R)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :])
         tl.store(code_ptr + mh * (K // 2) + kh, packed, mask=((mh < M) & (kh < K // 2)) | EVEN)
 
-    # Row and group index (g = k/16) of each [BM, CH, R] entry.
-    gm = pid_m * BM + tl.arange(0, BM)[:, None, None]
-    g = (pid_k * (CH * R) + tl.arange(0, CH)[None, :, None] * R + tl.arange(0, R)[None, None, :])
+    gm, g = _group_index(pid_m, pid_k, BM, CH, R)
     gmask = ((gm < M) & (g < K // 16)) | EVEN
     if MODE == 2:
         # EDEN correction per rotation chunk (SPEC §2, MS-EDEN steps 4–5).
