@@ -440,6 +440,32 @@ def test_tiles_per_program(tiles, monkeypatch):
     assert out[4].cpu() == rotate(x, signs32).abs().amax()
 
 
+@pytest.mark.parametrize("tiles", [1, 5])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_posthoc_sparse_fixes(tiles, transpose, monkeypatch):
+    """Without the packed form, post hoc alignment's second pass fixes only the tiles of the
+    first-pass programs whose least positive corrected scale needs it (``eden_align_kernel``
+    reading ``_ALIGN_MINIMA`` minima per program): two rows 2^-30 below the rest (as the query
+    gradient of a sequence's first token), in the last tiles of a middle program and in the
+    partial last program (48×256 in 4×128 tiles: 24 tiles, 5 per program), with 4 minima per
+    align program so that the fixes fall to different align programs."""
+    monkeypatch.setattr(kops, "_TILES_OVERRIDE", tiles)
+    monkeypatch.setattr(kops, "_ALIGN_MINIMA", 4)
+    if not CUDA:
+        monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
+    a = _data((48, 256), seed=49)
+    a[[17, 46]] *= 2.0**-30
+    x = a.t().contiguous() if transpose else a
+    signs = random_signs(128, torch.Generator().manual_seed(50), "cpu")
+    u = torch.rand(48, 16, generator=torch.Generator().manual_seed(51))
+    ref = quantize_ms_eden(rotate(a, signs), u, chunk=128, posthoc=True)
+    fixed = (ref.block_scale < 2.0**-6).any(dim=1)
+    assert fixed[[17, 46]].all() and fixed.sum() <= 4  # rows 0–2 hold _data's tiny groups
+    out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, False,
+                        posthoc=True)
+    _check(out, ref, packed=False, posthoc=True)
+
+
 def test_delayed_amax_and_scaled_input():
     x = _data((48, 160), seed=15)
     prev = torch.tensor(3.5)

@@ -106,12 +106,15 @@ def _grid(M: int, Kd: int, bm: int, bk: int, tiles: int) -> tuple[int, ...]:
 
 
 _ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
-"""(rows, groups of 16, warps) of the tiles of MS-EDEN's post hoc align pass."""
+"""(rows, groups of 16, warps) of the tiles of MS-EDEN's post hoc align pass when it writes the
+packed form's scales (it then reads every group's rounded scale)."""
 
 _ALIGN_PROGRAMS_PER_SM = 4
-"""The align pass's programs per SM (one program in the interpreter); they stride over the
-tiles. Most calls have nothing to fix and exit after a load, so a grid of one program per tile
-(4096 at 16384×1024) would mostly pay for starting programs."""
+"""That pass's programs per SM (one program in the interpreter); they stride over the tiles."""
+
+_ALIGN_MINIMA = 128
+"""First-pass programs whose least positive corrected scale one program of the align pass reads
+when it writes no scales (one warp; most calls have nothing to fix and exit after that load)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -447,8 +450,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
     dev = x.device
-    if posthoc:  # the first pass sends max(c) and the least positive c to the align pass
-        amax = torch.zeros(2, dtype=torch.float32, device=dev)
+    if posthoc:  # the first pass sends max(c) to the align pass
+        amax = torch.zeros(1, dtype=torch.float32, device=dev)
         current = amax[0]
     else:
         current = (amax.to(torch.float32, copy=True) if amax is not None  # an output: no alias
@@ -461,8 +464,6 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     # The quantization (or align) kernel writes the tensor scale; an empty operand keeps 1. (One
     # fill kernel fewer per call: eager steps are bound by host launches.)
     st = (torch.empty if M and Kd else torch.ones)((), dtype=torch.float32, device=dev)
-    # post hoc: the corrected scales and their roundings (quant_kernel's POSTHOC)
-    c = torch.empty((2, M, Kd // GROUP) if posthoc else (0,), dtype=torch.float32, device=dev)
     stochastic = mode in ("sr", "ms_eden")
     if stochastic and (uniforms is None) == (seed is None):
         raise ValueError(f"{mode} needs exactly one of uniforms or seed")
@@ -482,6 +483,11 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         u_arg = uniforms if uniforms is not None else dummy
         seed_arg = seed if seed is not None else dummy
         rand = 0 if uniforms is not None else 1
+        # post hoc: the corrected scales, their roundings and each program's least positive one
+        # (quant_kernel's POSTHOC)
+        n_prog = math.prod(grid)
+        c = torch.empty(2 * M * (Kd // GROUP) + n_prog if posthoc else 0, dtype=torch.float32,
+                        device=dev)
         _launch(K.quant_kernel, grid,
                 x, x_scales if x_scales is not None else x,
                 in_scale if in_scale is not None else dummy, signs if signs is not None else dummy,
@@ -495,11 +501,15 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
                 SHARED_U=_shares_draws(tiles, bk, mode, rand, Kd), num_warps=nw, **meta)
         if posthoc:
             bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
-            align_tiles = _cdiv(M, bm) * _cdiv(Kd // GROUP, g)
-            _launch(K.eden_align_kernel, (min(align_tiles, _align_programs(dev)),),
-                    c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, RAND=rand,
+            if pack:  # a grid that strides over [bm, g] tiles of groups
+                align_grid = min(_cdiv(M, bm) * _cdiv(Kd // GROUP, g), _align_programs(dev))
+            else:  # a program per _ALIGN_MINIMA first-pass programs
+                align_grid, nw = _cdiv(n_prog, _ALIGN_MINIMA), 1
+            _launch(K.eden_align_kernel, (align_grid,),
+                    c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, n_prog, RAND=rand,
                     SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
-                    BM=bm, G=g, num_warps=nw)
+                    BM=bm, G=g, V=_ALIGN_MINIMA, Q_BM=meta["BM"], Q_G=bk // GROUP,
+                    Q_TILES=tiles, num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
 
 

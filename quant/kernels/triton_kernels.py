@@ -17,10 +17,10 @@ FP32 scalar; :func:`quant_kernel` reads ``A`` again and writes the GEMM-ready va
 alignment (the default): :func:`quant_kernel` (``POSTHOC``) reads ``A`` once and writes the values
 (``q · s_block · s_tensor``: the tensor scale is a power of two, exact to fold), the codes if
 the packed form is wanted, and the corrected scales with their stochastic roundings,
-``atomic_max``-ing the largest (and the least positive); the light :func:`eden_align_kernel`
-then sets the tensor scale, reads the scales' E4M3 bits off those roundings when the packed
-form is wanted and rewrites the rare groups whose values depended on the tensor scale, if there
-are any (usually not: it then reads nothing).
+``atomic_max``-ing the largest and storing each program's least positive one; the light
+:func:`eden_align_kernel` then sets the tensor scale, reads the scales' E4M3 bits off those
+roundings when the packed form is wanted and rewrites the rare groups whose values depended on
+the tensor scale, if there are any (usually not: it then reads only the programs' minima).
 
 Bit-exactness rules (the reference is the contract):
 * every FP32 division is ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on GPUs)
@@ -615,14 +615,6 @@ def _atomic_max_nonneg(ptr, v):
 
 
 @triton.jit
-def _from_inf(bits):
-    """``bits(+inf) − bits``, which reverses the order of FP32 bit patterns in [0, +inf] and is
-    its own inverse: the post hoc pass sends its least positive corrected scale as the maximum
-    of this (0 when none is positive)."""
-    return 0x7F800000 - bits
-
-
-@triton.jit
 def _atomic_max_bits(ptr, bits):
     """``*ptr = max(*ptr, bits)`` on the int32 ``bits ≥ 0`` at the FP32 pointer ``ptr``: one
     relaxed integer ``atomic_max`` (:func:`_atomic_max_nonneg`), skipped when the value there
@@ -750,10 +742,11 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     (``quantize_ms_eden(posthoc=True)``): no amax is read; provisional scales
     ``m3(amax_b / v)``; the codes (with PACK), the corrected scales ``c`` and their roundings
     ``sr_m3(c)`` (:func:`_sr_m3`: the tensor scale folded in; FP32, ``2 × M × K/16`` at
-    ``c_ptr``) and the values ``q · sr_m3(c)`` are written and ``max(c)`` is ``atomic_max``-ed
-    into ``amax_ptr`` (and the least positive c into ``amax_ptr + 1``, :func:`_from_inf`);
-    :func:`eden_align_kernel` then sets the tensor scale, writes the E4M3 scales and fixes the
-    values it must.
+    ``c_ptr``) and the values ``q · sr_m3(c)`` are written, ``max(c)`` is ``atomic_max``-ed
+    into ``amax_ptr`` and each program stores its least positive c (+inf when none) after both,
+    at ``c_ptr + 2·M·K/16`` plus its index in the grid (row-major: the index of its first tile
+    over TILES); :func:`eden_align_kernel` then sets the tensor scale, writes the E4M3 scales and
+    fixes the values it must.
     """
     seed = _load_key(seed_ptr, RAND)
     sgm = _sign_masks(signs_ptr, ROT, BM, CH, R)
@@ -807,11 +800,14 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
             tl.program_id(0), tl.program_id(1), T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE,
             FOUR_SIX, TILE2D, RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R)
     if POSTHOC:
-        # max(c) and the least positive c (for the align pass's early exit), both as maxima.
-        # (Per tile, as scalars: carrying per-group maxima across the tiles instead took 94
-        # registers against 72.)
+        # max(c), and the program's least positive c for the align pass, which fixes only the
+        # tiles of programs whose minimum needs it. (Per tile, as scalars: carrying per-group
+        # maxima across the tiles instead took 94 registers against 72.)
         _atomic_max_nonneg(amax_ptr, cmax)
-        _atomic_max_bits(amax_ptr + 1, _from_inf(cmin.to(tl.int32, bitcast=True)))
+        prog = tl.program_id(0)
+        if TILES == 1:
+            prog = prog * tl.num_programs(1) + tl.program_id(1)
+        tl.store(c_ptr + 2 * M * (K // 16) + prog, cmin)
 
 
 @triton.jit
@@ -936,13 +932,14 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
 
 @triton.jit
 def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
-                      stream, RAND: tl.constexpr, SCALES: tl.constexpr, FIX_VALUES: tl.constexpr,
-                      EVEN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
+                      stream, n_prog, RAND: tl.constexpr, SCALES: tl.constexpr,
+                      FIX_VALUES: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
+                      G: tl.constexpr, V: tl.constexpr, Q_BM: tl.constexpr, Q_G: tl.constexpr,
+                      Q_TILES: tl.constexpr):
     """Second pass of MS-EDEN's post hoc range alignment (``quantize_ms_eden(posthoc=True)``,
-    steps 5'–6') on a ``[BM, G]`` tile of groups: ``s_t`` from ``max(c)`` and, with SCALES, the
-    bits of the stochastic E4M3 rounding ``s = sr(c / s_t)`` (the same draws as the one-pass
-    kernel), read off the first pass's ``sr_m3(c) = s · s_t`` (no draw) except in the rare
-    groups below, which draw again. Reads 0.25 bytes per element.
+    steps 5'–6'): ``s_t`` from ``max(c)`` and, with SCALES, the bits of the stochastic E4M3
+    rounding ``s = sr(c / s_t)`` (the same draws as the one-pass kernel), read off the first
+    pass's ``sr_m3(c) = s · s_t`` (no draw) except in the rare groups below, which draw again.
 
     The first pass wrote the values ``q · r`` with ``r = sr_m3(c)`` (:func:`_sr_m3`; 2^-126
     where that is 0 for a positive c). They are ``(q · s) · s_t`` wherever the two roundings use
@@ -953,16 +950,17 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
     ``down``, ``up`` and ``P(up)`` all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the
     choice of ``s_t``.)
 
-    A 1-D grid of programs strides over the tiles. Some group needs fixing iff the least positive
-    ``c`` (sent by the first pass at ``cmax_ptr + 1``, :func:`_from_inf`) does, as ``c / s_t`` is
-    monotone in c; without one and without SCALES, which is the usual case, the pass only stores
-    ``s_t`` and reads nothing else."""
+    With SCALES, a 1-D grid of programs strides over ``[BM, G]`` tiles of groups, reading 0.25
+    bytes per element. Without (the usual case), each program reads V of the first pass's
+    per-program minima of the positive c (``n_prog`` of them, after both halves of c): some
+    group of a first-pass program needs fixing iff its least positive c does, as ``c / s_t`` is
+    monotone in c, and then the program's ``Q_TILES`` tiles of ``[Q_BM, Q_G]`` groups (the
+    first pass's tiles, in its order: along K, then M) are fixed. (A single tensor-wide minimum
+    made one zero-gradient row, e.g. the first token's query gradient, sweep the whole tensor.)"""
     s_t = _pow2_scale_448(tl.load(cmax_ptr))
     if tl.program_id(0) == 0:
         tl.store(st_ptr, s_t)
-    cmin = _from_inf(tl.load(cmax_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 1))
-    cmin = cmin.to(tl.float32, bitcast=True)
-    if SCALES or _needs_fix(cmin, tl.math.div_rn(cmin, s_t)):
+    if SCALES:
         n_g = tl.cdiv(K // 16, G)
         for t in tl.range(tl.program_id(0), tl.cdiv(M, BM) * n_g, tl.num_programs(0)):
             gm = (t // n_g) * BM + tl.arange(0, BM)[:, None]
@@ -970,6 +968,22 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
             gmask = ((gm < M) & (g < K // 16)) | EVEN
             _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M,
                         K, stream, RAND, SCALES, FIX_VALUES, BM, G)
+    else:
+        mins = c_ptr + 2 * M * (K // 16)
+        p = tl.program_id(0) * V + tl.arange(0, V)
+        cmin = tl.load(mins + p, mask=p < n_prog, other=_POS_INF)
+        if tl.max(_needs_fix(cmin, tl.math.div_rn(cmin, s_t)).to(tl.int32), axis=0) > 0:
+            n_k = tl.cdiv(K // 16, Q_G)
+            n_tiles = tl.cdiv(M, Q_BM) * n_k
+            for j in tl.range(tl.program_id(0) * V, tl.minimum(tl.program_id(0) * V + V, n_prog)):
+                cj = tl.load(mins + j)
+                if _needs_fix(cj, tl.math.div_rn(cj, s_t)):
+                    for t in tl.range(j * Q_TILES, tl.minimum(j * Q_TILES + Q_TILES, n_tiles)):
+                        gm = (t // n_k) * Q_BM + tl.arange(0, Q_BM)[:, None]
+                        g = (t % n_k) * Q_G + tl.arange(0, Q_G)[None, :]
+                        _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g,
+                                    (gm < M) & (g < K // 16), M, K, stream, RAND, False,
+                                    FIX_VALUES, Q_BM, Q_G)
 
 
 @triton.jit
