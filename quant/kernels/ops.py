@@ -112,7 +112,7 @@ packed form's scales (it then reads every group's rounded scale)."""
 _ALIGN_PROGRAMS_PER_SM = 4
 """That pass's programs per SM (one program in the interpreter); they stride over the tiles."""
 
-_ALIGN_MINIMA = 128
+_ALIGN_MINIMA = 32
 """First-pass programs whose least positive corrected scale one program of the align pass reads
 when it writes no scales (one warp; most calls have nothing to fix and exit after that load)."""
 
@@ -506,10 +506,10 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
             else:  # a program per _ALIGN_MINIMA first-pass programs
                 align_grid, nw = _cdiv(n_prog, _ALIGN_MINIMA), 1
             _launch(K.eden_align_kernel, (align_grid,),
-                    c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, n_prog, RAND=rand,
+                    c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, n_prog, tiles, RAND=rand,
                     SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
                     BM=bm, G=g, V=_ALIGN_MINIMA, Q_BM=meta["BM"], Q_G=bk // GROUP,
-                    Q_TILES=tiles, num_warps=nw)
+                    Q_T=1 << (tiles - 1).bit_length(), num_warps=nw)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
 
 

@@ -932,10 +932,10 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
 
 @triton.jit
 def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr, M, K,
-                      stream, n_prog, RAND: tl.constexpr, SCALES: tl.constexpr,
+                      stream, n_prog, q_tiles, RAND: tl.constexpr, SCALES: tl.constexpr,
                       FIX_VALUES: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
                       G: tl.constexpr, V: tl.constexpr, Q_BM: tl.constexpr, Q_G: tl.constexpr,
-                      Q_TILES: tl.constexpr):
+                      Q_T: tl.constexpr):
     """Second pass of MS-EDEN's post hoc range alignment (``quantize_ms_eden(posthoc=True)``,
     steps 5'–6'): ``s_t`` from ``max(c)`` and, with SCALES, the bits of the stochastic E4M3
     rounding ``s = sr(c / s_t)`` (the same draws as the one-pass kernel), read off the first
@@ -954,9 +954,12 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
     bytes per element. Without (the usual case), each program reads V of the first pass's
     per-program minima of the positive c (``n_prog`` of them, after both halves of c): some
     group of a first-pass program needs fixing iff its least positive c does, as ``c / s_t`` is
-    monotone in c, and then the program's ``Q_TILES`` tiles of ``[Q_BM, Q_G]`` groups (the
-    first pass's tiles, in its order: along K, then M) are fixed. (A single tensor-wide minimum
-    made one zero-gradient row, e.g. the first token's query gradient, sweep the whole tensor.)"""
+    monotone in c, and then the program's ``q_tiles`` tiles of ``[Q_BM, Q_G]`` groups (the
+    first pass's tiles, in its order: along K, then M) are fixed as one tile (``Q_T``, a power
+    of two, at least ``q_tiles``). (A tensor-wide
+    minimum made one zero-gradient row, e.g. the first token's query gradient, sweep the whole
+    tensor: 16384×3072 rows on the H200 took 133 µs with such rows against 94 without, session
+    15.)"""
     s_t = _pow2_scale_448(tl.load(cmax_ptr))
     if tl.program_id(0) == 0:
         tl.store(st_ptr, s_t)
@@ -972,18 +975,26 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
         mins = c_ptr + 2 * M * (K // 16)
         p = tl.program_id(0) * V + tl.arange(0, V)
         cmin = tl.load(mins + p, mask=p < n_prog, other=_POS_INF)
-        if tl.max(_needs_fix(cmin, tl.math.div_rn(cmin, s_t)).to(tl.int32), axis=0) > 0:
+        fix = _needs_fix(cmin, tl.math.div_rn(cmin, s_t))
+        n_fix = tl.sum(fix.to(tl.int32), axis=0)
+        if n_fix > 0:
             n_k = tl.cdiv(K // 16, Q_G)
             n_tiles = tl.cdiv(M, Q_BM) * n_k
-            for j in tl.range(tl.program_id(0) * V, tl.minimum(tl.program_id(0) * V + V, n_prog)):
-                cj = tl.load(mins + j)
-                if _needs_fix(cj, tl.math.div_rn(cj, s_t)):
-                    for t in tl.range(j * Q_TILES, tl.minimum(j * Q_TILES + Q_TILES, n_tiles)):
-                        gm = (t // n_k) * Q_BM + tl.arange(0, Q_BM)[:, None]
-                        g = (t % n_k) * Q_G + tl.arange(0, Q_G)[None, :]
-                        _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g,
-                                    (gm < M) & (g < K // 16), M, K, stream, RAND, False,
-                                    FIX_VALUES, Q_BM, Q_G)
+            shape: tl.constexpr = (Q_T, Q_BM, Q_G)
+            j = tl.program_id(0) * V - 1
+            for _ in tl.range(0, n_fix):  # the programs to fix, in order
+                j = tl.min(tl.where(fix & (p > j), p, n_prog), axis=0)
+                # its tiles, as one [Q_T·Q_BM, Q_G] tile of groups
+                i = tl.arange(0, Q_T)[:, None, None]
+                t = j * q_tiles + i
+                gm = tl.broadcast_to((t // n_k) * Q_BM + tl.arange(0, Q_BM)[None, :, None], shape)
+                g = tl.broadcast_to((t % n_k) * Q_G + tl.arange(0, Q_G)[None, None, :], shape)
+                gmask = (i < q_tiles) & (t < n_tiles) & (gm < M) & (g < K // 16)
+                _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t,
+                            tl.reshape(gm, (Q_T * Q_BM, Q_G)),
+                            tl.reshape(g, (Q_T * Q_BM, Q_G)),
+                            tl.reshape(gmask, (Q_T * Q_BM, Q_G)), M, K, stream, RAND, False,
+                            FIX_VALUES, Q_T * Q_BM, Q_G)
 
 
 @triton.jit
