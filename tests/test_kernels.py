@@ -450,7 +450,7 @@ def test_posthoc_sparse_fixes(tiles, transpose, monkeypatch):
     partial last program (48×256 in 4×128 tiles: 24 tiles, 5 per program), with 4 minima per
     align program so that the fixes fall to different align programs."""
     monkeypatch.setattr(kops, "_TILES_OVERRIDE", tiles)
-    monkeypatch.setattr(kops, "_ALIGN_MINIMA", 4)
+    monkeypatch.setattr(kops, "_ALIGN_MINIMA", (4, 1))
     if not CUDA:
         monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
     a = _data((48, 256), seed=49)

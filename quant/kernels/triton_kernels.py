@@ -994,7 +994,7 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
                             tl.reshape(gm, (Q_T * Q_BM, Q_G)),
                             tl.reshape(g, (Q_T * Q_BM, Q_G)),
                             tl.reshape(gmask, (Q_T * Q_BM, Q_G)), M, K, stream, RAND, False,
-                            FIX_VALUES, Q_T * Q_BM, Q_G)
+                            FIX_VALUES, Q_T * Q_BM, Q_G, EAGER=True)
 
 
 @triton.jit
@@ -1008,30 +1008,37 @@ def _needs_fix(c, c_t):
 @triton.jit
 def _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M, K,
                 stream, RAND: tl.constexpr, SCALES: tl.constexpr, FIX_VALUES: tl.constexpr,
-                BM: tl.constexpr, G: tl.constexpr):
-    """:func:`eden_align_kernel`'s E4M3 scale bits (SCALES) and fixed values of one tile."""
+                BM: tl.constexpr, G: tl.constexpr, EAGER: tl.constexpr = False):
+    """:func:`eden_align_kernel`'s E4M3 scale bits (SCALES) and fixed values of one tile.
+    EAGER (a tile known to hold groups to fix): the key, c and the values are loaded with the
+    rounded scales, not after them, so that the loads' latencies overlap."""
     r = tl.load(c_ptr + M * (K // 16) + gm * (K // 16) + g, mask=gmask, other=0.0)
+    gm3 = tl.expand_dims(gm, 2)
+    k = tl.expand_dims(g, 2) * 16 + tl.arange(0, 16)[None, None, :]
+    if EAGER:
+        seed = _load_key(seed_ptr, RAND)
+        c = tl.load(c_ptr + gm * (K // 16) + g, mask=gmask, other=0.0)
+        old = tl.load(val_ptr + gm3 * K + k, mask=tl.expand_dims(gmask, 2), other=0.0)
     bits = _e4m3_bits(tl.math.div_rn(r, s_t))  # exact: r / s_t is on E4M3's grid, at most 448
     # A superset of the groups to fix (``r = sr_m3(c)`` is monotone in c, and 2^-6 · s_t and
     # 2^-123 lie on c's grid, so c below either gives r at most it); their c decides.
     maybe = ((r <= 0.015625 * s_t) | (r <= 9.4039548065783e-38)) & gmask  # 2^-6, 2^-123
     if tl.max(tl.max(maybe.to(tl.int32), axis=1), axis=0) > 0:
-        seed = _load_key(seed_ptr, RAND)
-        c = tl.load(c_ptr + gm * (K // 16) + g, mask=maybe, other=0.0)
+        if not EAGER:
+            seed = _load_key(seed_ptr, RAND)
+            c = tl.load(c_ptr + gm * (K // 16) + g, mask=maybe, other=0.0)
         c_t = tl.math.div_rn(c, s_t)
         fix = maybe & (c > 0) & _needs_fix(c, c_t)
         s, fix_bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, fix, K, RAND))
         bits = tl.where(fix, fix_bits, bits)
         if FIX_VALUES:
-            gm3 = tl.expand_dims(gm, 2)
-            g3 = tl.expand_dims(g, 2)
             fix3 = tl.expand_dims(fix, 2)
-            k = g3 * 16 + tl.arange(0, 16)[None, None, :]
             # q is the first pass's value over its scale r (positive in every group to fix),
             # exactly: q · r has at most 6 significant bits and is at least 2^-127, so it was
             # stored exactly in BF16
-            old = tl.load(val_ptr + gm3 * K + k, mask=fix3, other=0.0).to(tl.float32)
-            q = tl.math.div_rn(old, tl.expand_dims(tl.where(fix, r, 1.0), 2))
+            if not EAGER:
+                old = tl.load(val_ptr + gm3 * K + k, mask=fix3, other=0.0)
+            q = tl.math.div_rn(old.to(tl.float32), tl.expand_dims(tl.where(fix, r, 1.0), 2))
             v = (q * tl.expand_dims(s, 2)) * s_t
             tl.store(val_ptr + gm3 * K + k, v.to(tl.bfloat16), mask=fix3)
     if SCALES:
