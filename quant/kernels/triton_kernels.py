@@ -1018,7 +1018,8 @@ def _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M, K
     if EAGER:
         seed = _load_key(seed_ptr, RAND)
         c = tl.load(c_ptr + gm * (K // 16) + g, mask=gmask, other=0.0)
-        old = tl.load(val_ptr + gm3 * K + k, mask=tl.expand_dims(gmask, 2), other=0.0)
+        if FIX_VALUES:
+            old = tl.load(val_ptr + gm3 * K + k, mask=tl.expand_dims(gmask, 2), other=0.0)
     bits = _e4m3_bits(tl.math.div_rn(r, s_t))  # exact: r / s_t is on E4M3's grid, at most 448
     # A superset of the groups to fix (``r = sr_m3(c)`` is monotone in c, and 2^-6 · s_t and
     # 2^-123 lie on c's grid, so c below either gives r at most it); their c decides.
