@@ -510,7 +510,8 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
             else:  # a program per _ALIGN_MINIMA first-pass programs
                 align_grid, nw = _cdiv(n_prog, _ALIGN_MINIMA[0]), _ALIGN_MINIMA[1]
             _launch(K.eden_align_kernel, (align_grid,),
-                    c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, n_prog, tiles, RAND=rand,
+                    c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, n_prog, tiles,
+                    RAND=rand,
                     SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
                     BM=bm, G=g, V=_ALIGN_MINIMA[0], Q_BM=meta["BM"], Q_G=bk // GROUP,
                     Q_T=1 << (tiles - 1).bit_length(), num_warps=nw)
