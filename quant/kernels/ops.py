@@ -65,7 +65,7 @@ MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.
 # TRANSPOSE_COLS off); "cols_groups": A read across memory rows by the whole-group quantizers,
 # loaded by row-wise slices (``_load_groups_cols``: a thread holds two groups of one row, r and
 # r + R/2 of a chunk, for dense sources with R ≥ 2 but RTN+4/6, else one group of each of two
-# rows), and "cols_eden", the same tile for MS-EDEN, which takes one tile per program. BK must
+# rows), and "cols_eden", the same tile for MS-EDEN. BK must
 # be a multiple of the rotation size (it is raised to it). The interpreter runs ~8 ms per
 # program instance, so it gets large tiles.
 # ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
@@ -75,7 +75,8 @@ _CONFIG = {"rows": (8, 128, 2), "rows_2d": (16, 128, 8), "rows_wide": (8, 128, 1
            "cols_groups": (8, 128, 1), "cols_eden": (8, 128, 1), "interpret": (128, 256, 4)}
 
 
-_TILES_PER_PROGRAM = {"rows": 4, "rows_wide": 4, "rows_eden": 4, "cols_groups": 4, "interpret": 2}
+_TILES_PER_PROGRAM = {"rows": 4, "rows_wide": 4, "rows_eden": 4, "cols_groups": 4, "cols_eden": 4,
+                      "interpret": 2}
 """Consecutive tiles (along K, then M) that one program of ``quant_kernel`` quantizes in a loop,
 per layout (default 1: a 2-D grid of one tile per program). Looping puts the Hadamard signs, the
 Philox key and the post hoc ``atomic_max`` once per program. It pays for the one-warp tiles of
@@ -87,7 +88,10 @@ over 4 gave RTN 146.1 against 162.8 with one 16-row 4-warp tile per program, RTN
 against 237.8, SR 184.6 against 187.3 (16-row 4-warp tiles looping over 4: 151.0, 239.7, 183.5).
 The sliced columns (session 8, 16384×4096 columns): 4 tiles per program for SR, 4/6 and
 RHT16/32 (RHT16+RTN 202.6 µs against 214.6 with 1, RHT16+SR 246–251 against 265.5, RTN+4/6 269.3
-against 303.1), 1 for MS-EDEN (post hoc 177.2–177.8 µs against 198.1–198.3 with 4). The
+against 303.1), then 1 for MS-EDEN (post hoc 177.2–177.8 µs against 198.1–198.3 with 4; session
+13: 151.1 against 151.5). Since MS-EDEN's four tiles of a program share their draws (session 14),
+4 for its columns too: 16384×3072 columns 114.3 against 116.5 µs with 1, the 1.9b quartet2 step
+403.2 against 405.3 ms (one call each, session 15; the 100m step 46.4 both). The
 interpreter runs 2, so that the loop and a program's partial last group are tested.
 ``NVFP4_TILES_PER_PROGRAM`` overrides every layout."""
 
