@@ -975,25 +975,22 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
         p = tl.program_id(0) * V + tl.arange(0, V)
         cmin = tl.load(mins + p, mask=p < n_prog, other=_POS_INF)
         fix = _needs_fix(cmin, tl.math.div_rn(cmin, s_t))
-        n_fix = tl.sum(fix.to(tl.int32), axis=0)
-        if n_fix > 0:
-            n_k = tl.cdiv(K // 16, Q_G)
-            n_tiles = tl.cdiv(M, Q_BM) * n_k
-            shape: tl.constexpr = (Q_T, Q_BM, Q_G)
-            j = tl.program_id(0) * V - 1
-            for _ in tl.range(0, n_fix):  # the programs to fix, in order
-                j = tl.min(tl.where(fix & (p > j), p, n_prog), axis=0)
-                # its tiles, as one [Q_T·Q_BM, Q_G] tile of groups
-                i = tl.arange(0, Q_T)[:, None, None]
-                t = j * q_tiles + i
-                gm = tl.broadcast_to((t // n_k) * Q_BM + tl.arange(0, Q_BM)[None, :, None], shape)
-                g = tl.broadcast_to((t % n_k) * Q_G + tl.arange(0, Q_G)[None, None, :], shape)
-                gmask = (i < q_tiles) & (t < n_tiles) & (gm < M) & (g < K // 16)
-                _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t,
-                            tl.reshape(gm, (Q_T * Q_BM, Q_G)),
-                            tl.reshape(g, (Q_T * Q_BM, Q_G)),
-                            tl.reshape(gmask, (Q_T * Q_BM, Q_G)), M, K, stream, RAND, False,
-                            FIX_VALUES, Q_T * Q_BM, Q_G, EAGER=True)
+        n_k = tl.cdiv(K // 16, Q_G)
+        n_tiles = tl.cdiv(M, Q_BM) * n_k
+        shape: tl.constexpr = (Q_T, Q_BM, Q_G)
+        j = tl.program_id(0) * V - 1
+        for _ in tl.range(0, tl.sum(fix.to(tl.int32), axis=0)):  # the programs to fix, in order
+            j = tl.min(tl.where(fix & (p > j), p, n_prog), axis=0)
+            # its tiles, as one [Q_T·Q_BM, Q_G] tile of groups
+            i = tl.arange(0, Q_T)[:, None, None]
+            t = j * q_tiles + i
+            gm = tl.broadcast_to((t // n_k) * Q_BM + tl.arange(0, Q_BM)[None, :, None], shape)
+            g = tl.broadcast_to((t % n_k) * Q_G + tl.arange(0, Q_G)[None, None, :], shape)
+            gmask = (i < q_tiles) & (t < n_tiles) & (gm < M) & (g < K // 16)
+            _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t,
+                        tl.reshape(gm, (Q_T * Q_BM, Q_G)), tl.reshape(g, (Q_T * Q_BM, Q_G)),
+                        tl.reshape(gmask, (Q_T * Q_BM, Q_G)), M, K, stream, RAND, False,
+                        FIX_VALUES, Q_T * Q_BM, Q_G, EAGER=True)
 
 
 @triton.jit
