@@ -4,15 +4,25 @@
     python train.py quant=nvidia model=30m train.tokens_per_param=100
     python train.py quant=quartet2 model=1.9b data=c4 data.tokenizer_path=/path/to/tokenizer.model
 
-The loop, top to bottom: build data, model and optimizer; resume from the newest checkpoint of the
-run directory if there is one; then, for every optimizer step, set the learning rate, run the
-micro-batches (forward under BF16 autocast, backward), stop on a non-finite loss, clip, step, log,
-validate and checkpoint. Configs live in configs/ (Hydra); see README.md.
+The loop, top to bottom: check the settings; resume from the newest checkpoint of the run
+directory that verifies, or start fresh (an earlier run there is moved aside); build data, model
+and optimizer; then, for every optimizer step, act on a stop request (preemption or Ctrl-C:
+checkpoint and exit), set the learning rate, run the micro-batches (forward under BF16 autocast,
+backward), clip, step, stop on a non-finite loss, gradient norm or parameter, log, validate and
+checkpoint. Configs live in configs/ (Hydra); see README.md and docs/reliability.md.
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Stop requests (SIGTERM, SIGUSR1, Ctrl-C) that arrive while torch imports are recorded, not
+    # lost: the handlers go in before anything heavy is imported (training/preemption.py).
+    from training.preemption import install_early
+
+    install_early()
+
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -20,6 +30,7 @@ from typing import Any
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
@@ -28,13 +39,16 @@ from data.loader import TokenLoader, val_batches
 from data.prepare import load_manifest, prepare_from_config
 from data.tokenizer import check_vocab
 from model import build_model
-from quant import randomness
 from model.parallel import materialize, parallelize, replays_cuda_graphs
-from training.checkpoint import Checkpointer, check_fingerprint, config_fingerprint, read_extra
-from training.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed, shutdown
+from quant import randomness
+from training.checkpoint import CheckpointError, Checkpointer, check_fingerprint, config_fingerprint, read_extra
+from training.config_checks import check_train_config
+from training.distributed import DistInfo, all_gather_objects, all_reduce_mean, any_rank, barrier, init_distributed, shutdown
+from training.health import first_nonfinite, param_max_abs
 from training.metrics import bf16_peak_flops, mfu, peak_memory_gib
 from training.optim import build_adamw
-from training.preemption import PreemptionWatcher
+from training.preemption import STOP_FILE, PreemptionWatcher
+from training.run_dir import holds_a_run, move_aside, rewind_metrics
 from training.schedule import lr_at
 from training.tracking import NullTracker, Tracker
 
@@ -51,7 +65,11 @@ class TrainingError(RuntimeError):
 
 
 class Preempted(Exception):
-    """The run checkpointed on a stop request and exits so that Slurm can requeue it."""
+    """The run checkpointed on a preemption request and exits so that Slurm can requeue it."""
+
+
+class Interrupted(Exception):
+    """The run checkpointed on Ctrl-C and stops; the message says how to resume."""
 
 
 def scheme_from_config(qcfg: DictConfig) -> quant.Scheme:
@@ -84,6 +102,22 @@ def total_steps(cfg: DictConfig, non_embedding_params: int) -> int:
     return int(cfg.train.steps)
 
 
+def run_dir_of(cfg: DictConfig) -> Path:
+    """``cfg.run_dir``, or Hydra's output directory (``${run_root}/${run_name}``)."""
+    return Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
+
+
+def command_line(*extra: str) -> str:
+    """The command that started this run (Hydra's overrides), with ``extra`` overrides replacing
+    those of the same keys; generic when the run was not started from the command line."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    try:
+        given = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") not in keys]
+    except ValueError:  # no Hydra run: train.run(cfg) called from code
+        return "python train.py <the same overrides> " + " ".join(shlex.quote(e) for e in extra)
+    return " ".join(["python train.py", *(shlex.quote(o) for o in [*given, *extra])])
+
+
 @torch.no_grad()
 def evaluate(model, data_dir: Path, cfg: DictConfig, di: DistInfo, autocast: bool) -> float:
     """Mean validation loss over a fixed set of held-out batches (each rank takes its share)."""
@@ -101,34 +135,50 @@ def evaluate(model, data_dir: Path, cfg: DictConfig, di: DistInfo, autocast: boo
     return all_reduce_mean(torch.stack(losses).mean()).item()
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig, handle_ctrl_c: bool = False) -> dict[str, Any]:
     """Train as ``cfg`` says; returns the final metrics (also in ``run_dir/summary.json``).
 
     Works in one process or under torchrun/srun (FSDP2 over all ranks, see model/parallel.py).
+    ``handle_ctrl_c``: the first Ctrl-C checkpoints and raises :class:`Interrupted` (the command
+    line's behaviour); otherwise Ctrl-C stays the caller's.
     """
-    dist_info = init_distributed(cfg.device, cfg.parallel.replicate)
+    dist_info = init_distributed(cfg.device, cfg.parallel.replicate, timeout_s=cfg.parallel.timeout_s)
     try:
-        summary = _train(cfg, dist_info)
+        summary = _train(cfg, dist_info, handle_ctrl_c)
         barrier()  # every rank is done before any tears the process group down
         return summary
     finally:
         shutdown()
 
 
-def _train(cfg: DictConfig, di: DistInfo) -> dict[str, Any]:
-    """Watch for stop requests from the very start (a stale request of an earlier job is
-    cleared), then train."""
-    run_dir = Path(cfg.run_dir or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-    preemption = PreemptionWatcher(run_dir)
+def _train(cfg: DictConfig, di: DistInfo, handle_ctrl_c: bool = False) -> dict[str, Any]:
+    """Check the settings, decide between resuming and a fresh start (which moves an earlier
+    run in the same directory aside), watch for stop requests, then train."""
+    check_train_config(cfg, di.world_size)
+    run_dir = run_dir_of(cfg)
+    checkpoints = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
+                               async_save=cfg.train.async_checkpoint, is_main=di.is_main)
+    notes: list[str] = []
+    latest, skipped = checkpoints.newest_verified() if cfg.resume else (None, [])
+    for path, why in skipped:
+        notes.append(f"warning: skipped checkpoint {path}: {why}")
+    if latest is None and di.is_main and holds_a_run(run_dir):
+        aside = move_aside(run_dir, keep=(".hydra", STOP_FILE))
+        why = "resume=false" if not cfg.resume else "no checkpoint of it verifies" if skipped else "it has no checkpoint"
+        notes.append(f"starting from step 0 ({why}): the earlier run in {run_dir} was moved to {aside}")
+    barrier()
+    preemption = PreemptionWatcher(run_dir, interrupt_signal=handle_ctrl_c)
     if di.is_main:
-        preemption.clear()
+        preemption.clear_requeue()
+    preemption.start_watchdog(cfg.parallel.stop_grace_s)
     try:
-        return _train_run(cfg, di, run_dir, preemption)
+        return _train_run(cfg, di, run_dir, checkpoints, latest, notes, preemption)
     finally:
         preemption.close()
 
 
-def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, preemption: PreemptionWatcher) -> dict[str, Any]:
+def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkpointer, latest: Path | None,
+               notes: list[str], preemption: PreemptionWatcher) -> dict[str, Any]:
     device, main_rank = di.device, di.is_main
     autocast = cfg.precision == "bf16"
     torch.manual_seed(cfg.seed)
@@ -141,24 +191,13 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, preemption: Preempt
     if not main_rank:
         data_dir = prepare_from_config(cfg.data)
     check_vocab(load_manifest(data_dir)["vocab_size"], cfg.model.vocab_size)
-    if cfg.train.seq_len > cfg.model.max_seq_len:
-        raise TrainingError(
-            f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}. "
-            f"Fix: lower train.seq_len or raise model.max_seq_len."
-        )
-    rows_per_rank, rem = divmod(cfg.train.batch_size, di.world_size)
-    if rem or rows_per_rank % cfg.train.micro_batch_size:
-        raise TrainingError(
-            f"train.batch_size={cfg.train.batch_size} must split into {di.world_size} rank(s) × "
-            f"micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}. Fix: make the "
-            f"batch a multiple of world_size × micro_batch_size."
-        )
-    accum = rows_per_rank // cfg.train.micro_batch_size
-    if cfg.train.eval_batch_size % di.world_size:
-        raise TrainingError(
-            f"train.eval_batch_size={cfg.train.eval_batch_size} is not divisible by the "
-            f"{di.world_size} ranks. Fix: make it a multiple of the world size."
-        )
+    try:  # the validation set is checked now, not at the first validation hundreds of steps later
+        val_batches(data_dir, cfg.train.seq_len, cfg.train.eval_batch_size, cfg.train.eval_batches,
+                    rank=di.rank, world_size=di.world_size)
+    except ValueError as err:
+        raise TrainingError(f"train.eval_batches={cfg.train.eval_batches} × train.eval_batch_size="
+                            f"{cfg.train.eval_batch_size}: {err}") from err
+    accum = cfg.train.batch_size // di.world_size // cfg.train.micro_batch_size
     loader = TokenLoader(data_dir, "train", cfg.train.seq_len, cfg.train.batch_size, rank=di.rank,
                          world_size=di.world_size, seed=cfg.seed)
 
@@ -168,62 +207,116 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, preemption: Preempt
     quant.quantize_model(model, scheme, skip=skip_patterns(cfg.quant, cfg.model.n_layer))
     n_params = model.num_params(non_embedding=True)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)
+    steps = total_steps(cfg, n_params)
+    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+
+    # Resume from the newest checkpoint that verifies (found by _train), unless the run is done.
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    fingerprint = config_fingerprint({**resolved, "world_size": di.world_size})
+    start, run_id, last_val, extra = 0, None, None, None
+    if latest is not None:
+        extra = read_extra(latest)
+        saved = extra["fingerprint"]
+        if cfg.parallel.allow_reshard:
+            saved = {**saved, "world_size": fingerprint["world_size"]}
+        for key, (old, new) in check_fingerprint(saved, fingerprint, latest, cfg.resume_with_changes).items():
+            notes.append(f"resuming with a changed setting (resume_with_changes): {key} {old!r} → {new!r}")
+        if extra["step"] >= steps and (run_dir / "summary.json").is_file():
+            return _already_finished(run_dir, steps, main_rank)
+
     parallelize(model, di.mesh, activation_checkpointing=cfg.parallel.activation_checkpointing,
                 ac_every=cfg.parallel.ac_every, compile=cfg.compile, compile_mode=cfg.compile_mode,
                 bf16_params=autocast)
     graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode)
     materialize(model, device, cfg.seed)
     optimizer = build_adamw(model, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay, cfg.optim.eps)
-    steps = total_steps(cfg, n_params)
-
-    # Resume from the newest complete checkpoint of this run directory.
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    fingerprint = config_fingerprint({**resolved, "world_size": di.world_size})
-    checkpoints = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
-                               async_save=cfg.train.async_checkpoint, is_main=main_rank)
-    start, run_id, last_val = 0, None, None
-    latest = checkpoints.latest() if cfg.resume else None
-    if latest is not None:
-        saved = read_extra(latest)["fingerprint"]
-        if cfg.parallel.allow_reshard:
-            saved = {**saved, "world_size": fingerprint["world_size"]}
-        check_fingerprint(saved, fingerprint, latest)
+    if extra is not None:
         extra = Checkpointer.load(latest, model, optimizer)
         loader.load_state_dict(extra["loader"])
         randomness.load_state_dict({**extra["quant_rng"], "rank": di.rank})
         torch.set_rng_state(extra["torch_rng"])
         start, run_id, last_val = extra["step"], extra["wandb_run_id"], extra.get("val_loss")
+        if main_rank and (moved := rewind_metrics(run_dir, start)):
+            notes.append(f"{moved} metrics row(s) after step {start}, which this run replays, were moved "
+                         f"to {run_dir / 'metrics.replaced.jsonl'}")
     barrier()
 
     tracker = (Tracker(run_dir, resolved, cfg.run_name, cfg.run_group, OmegaConf.to_container(cfg.wandb),
                        run_id, steps, start) if main_rank else NullTracker())
     tracker.info(
         f"run {cfg.run_name}: model {cfg.model.name} ({n_params:,} non-embedding params), scheme "
-        f"{scheme.name}, {steps} steps of {cfg.train.batch_size}×{cfg.train.seq_len} tokens, "
-        f"{di.world_size} rank(s) on {device.type}, dir {run_dir}"
-        + (f"; resuming at step {start} from {latest}" if latest else "")
+        f"{scheme.name}, {steps} steps of {cfg.train.batch_size}×{cfg.train.seq_len} tokens "
+        f"({steps * tokens_per_step / 1e6:.3g}M tokens), {di.world_size} rank(s) on {device.type}; "
+        + (f"resuming at step {start} from {latest}" if latest else "starting from step 0")
+        + f"; dir {run_dir}"
     )
+    for note in ([tracker.wandb_note] if getattr(tracker, "wandb_note", None) else []) + notes:
+        tracker.info(note)
 
     def save(step: int, force_sync: bool = False) -> Path:
-        return checkpoints.save(step, model, optimizer, {
-            "step": step, "loader": loader.state_dict(), "quant_rng": randomness.state_dict(),
-            "torch_rng": torch.get_rng_state(), "wandb_run_id": tracker.run_id,
-            "fingerprint": fingerprint, "config": resolved, "val_loss": last_val,
-        }, force_sync=force_sync)
+        try:
+            saved = checkpoints.save(step, model, optimizer, {
+                "step": step, "loader": loader.state_dict(), "quant_rng": randomness.state_dict(),
+                "torch_rng": torch.get_rng_state(), "wandb_run_id": tracker.run_id,
+                "fingerprint": fingerprint, "config": resolved, "val_loss": last_val,
+            }, force_sync=force_sync)
+        except CheckpointError as err:
+            raise TrainingError(str(err)) from err
+        if saved.nbytes == 0:
+            tracker.info(f"step {step}: already checkpointed in {saved.path}")
+        else:
+            how = "started in the background" if cfg.train.async_checkpoint and not force_sync else "saved"
+            tracker.info(f"step {step}: checkpoint of {saved.nbytes / 2**20:,.1f} MiB {how} in "
+                         f"{saved.seconds:.1f} s: {saved.path}")
+        return saved.path
+
+    def stop(step: int) -> None:
+        """Act on a stop request at the boundary before ``step``: checkpoint (unless nothing is
+        trained yet), then raise Preempted (requeue) or Interrupted (Ctrl-C)."""
+        preemption.acknowledge()
+        reason = preemption.preempt_reason()
+        path = save(step, force_sync=True) if step > 0 else None
+        if reason is not None:
+            if main_rank:
+                preemption.mark_requeue()
+            tracker.info(f"stop requested ({reason}): "
+                         + (f"checkpointed step {step} to {path}" if path else "nothing trained yet")
+                         + "; exiting for requeue")
+            raise Preempted(step)
+        raise Interrupted(
+            f"stopped by Ctrl-C before step {step + 1}: "
+            + (f"checkpointed step {step} to {path}" if path else "nothing was trained yet")
+            + f". Resume with the same command: {command_line()}"
+        )
+
+    def stopped_on(step: int, problem: str) -> TrainingError:
+        good, _ = checkpoints.newest_verified()
+        changes = sorted({*cfg.resume_with_changes, "optim.lr"})
+        lower = [f"optim.lr={cfg.optim.lr / 2:g}"]
+        if good is not None:
+            lower.append(f"resume_with_changes=[{','.join(changes)}]")
+        return TrainingError(
+            f"{problem} at step {step + 1}. The run stopped before saving or logging that step; the "
+            f"newest good checkpoint is {good or 'none (no checkpoint yet)'}. Fix: "
+            + (f"resume from it with half the learning rate: {command_line(*lower)}" if good else
+               f"start again with half the learning rate: {command_line(*lower)}")
+            + "; or check the data, or try quant=bf16 to see whether the quantization scheme is at fault."
+        )
 
     peak = bf16_peak_flops(device, cfg.train.peak_flops)
     fsdp = di.mesh is not None
     model.train()
-    t0, tokens_since = time.perf_counter(), 0
     exit_code = 0
+    t_run = time.perf_counter()
     try:
+        if start == 0:  # the loss at initialisation: ln(vocab) for a well-initialised model
+            last_val = evaluate(model, data_dir, cfg, di, autocast)
+            tracker.log(0, {"val/loss": last_val}, line=False)
+            tracker.info(f"step 0: validation loss {last_val:.4f}")
+        t0, tokens_since = time.perf_counter(), 0
         for step in range(start, steps):
             if any_rank(preemption.requested(), device):
-                path = save(step, force_sync=True)
-                if main_rank:
-                    preemption.mark_requeue()
-                tracker.info(f"stop requested: checkpointed step {step} to {path}; exiting for requeue")
-                raise Preempted(step)
+                stop(step)
             lr = lr_at(step, steps, cfg.optim.lr, cfg.optim.warmup_frac, cfg.optim.start_ratio,
                        cfg.optim.final_ratio)
             for group in optimizer.param_groups:
@@ -243,25 +336,23 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, preemption: Preempt
                     loss = model(x.to(device), y.to(device))
                 (loss / accum).backward()
                 loss_sum += loss.detach().float()
-            train_loss = all_reduce_mean(loss_sum / accum).item()
-            if not math.isfinite(train_loss):
-                good = checkpoints.latest()
-                raise TrainingError(
-                    f"the training loss is {train_loss} at step {step + 1}. The run stopped without "
-                    f"saving; the last good checkpoint is {good or 'none (no checkpoint yet)'}. "
-                    f"Fix: lower optim.lr, check the data, or try quant=bf16 to see whether the "
-                    f"quantization scheme is at fault; the run resumes from that checkpoint."
-                )
+            loss_mean = all_reduce_mean(loss_sum / accum)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             if isinstance(grad_norm, DTensor):
                 grad_norm = grad_norm.full_tensor()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            tokens_since += cfg.train.batch_size * cfg.train.seq_len
+            # One read of the step's health: a non-finite value stops the run here, before this
+            # step is logged or saved.
+            health = torch.stack([loss_mean, grad_norm.float(), param_max_abs(model.parameters())])
+            train_loss, norm, param_max = health.tolist()
+            if problem := first_nonfinite(train_loss, norm, param_max):
+                raise stopped_on(step, problem)
+            tokens_since += tokens_per_step
             tracker.advance()
 
             done = step + 1
-            metrics: dict[str, Any] = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": grad_norm.item()}
+            metrics: dict[str, Any] = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": norm}
             if done % cfg.train.log_every == 0 or done == steps:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -272,26 +363,32 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, preemption: Preempt
                     "perf/tokens_per_s_per_rank": tps / di.world_size,
                     "perf/mfu_vs_bf16_peak": mfu(flops_per_token, tps / di.world_size, peak),
                     "perf/peak_memory_gib": peak_memory_gib(device),
-                    "perf/eta_min": (steps - done) * cfg.train.batch_size * cfg.train.seq_len / tps / 60,
+                    "perf/eta_min": (steps - done) * tokens_per_step / tps / 60,
                 }
                 t0, tokens_since = time.perf_counter(), 0
             if done % cfg.train.eval_every == 0 or done == steps:
                 last_val = evaluate(model, data_dir, cfg, di, autocast)
                 metrics["val/loss"] = last_val
             tracker.log(done, metrics, line="perf/tokens_per_s" in metrics or "val/loss" in metrics)
+            if "val/loss" in metrics:
+                tracker.info(f"step {done}: validation loss {last_val:.4f}")
             if done % cfg.train.ckpt_every == 0 or done == steps:
                 save(done)
 
-        checkpoints.wait()
-        if last_val is None:
-            last_val = evaluate(model, data_dir, cfg, di, autocast)
-        summary = {"final_val_loss": last_val, "steps": steps, "tokens": steps * cfg.train.batch_size *
-                   cfg.train.seq_len, "non_embedding_params": n_params, "scheme": scheme.name,
+        try:
+            checkpoints.wait()
+        except CheckpointError as err:
+            raise TrainingError(str(err)) from err
+        summary = {"final_val_loss": last_val, "steps": steps, "tokens": steps * tokens_per_step,
+                   "non_embedding_params": n_params, "scheme": scheme.name,
                    "model": cfg.model.name, "world_size": di.world_size}
         tracker.summary(summary)
-        tracker.info(f"done: final validation loss {last_val:.4f} after {steps} steps ({run_dir})")
+        minutes = (time.perf_counter() - t_run) / 60
+        tracker.info(f"done: final validation loss {last_val:.4f} after {steps} steps "
+                     f"({steps * tokens_per_step / 1e6:.3g}M tokens; this session {minutes:.1f} min); "
+                     f"results in {run_dir}")
         return summary
-    except Preempted:
+    except (Preempted, Interrupted):
         raise
     except BaseException:
         exit_code = 1
@@ -300,12 +397,32 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, preemption: Preempt
         tracker.finish(exit_code)
 
 
+def _already_finished(run_dir: Path, steps: int, main_rank: bool) -> dict[str, Any]:
+    """A finished run started again: say so, write nothing, return its summary."""
+    import json
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if main_rank:
+        print(f"run {run_dir} is already finished ({steps} of {steps} steps, final validation loss "
+              f"{summary.get('final_val_loss', float('nan')):.4f}); nothing to do. Results: "
+              f"{run_dir / 'summary.json'}, {run_dir / 'metrics.jsonl'}. To train it again from step "
+              f"0: resume=false (the finished run is moved aside).", flush=True)
+    return summary
+
+
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        run(cfg)
+        run(cfg, handle_ctrl_c=True)
     except Preempted:
         sys.exit(0)
+    except Interrupted as stopped:
+        print(stopped, file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print(f"\nstopped at once (second Ctrl-C), without saving. Resume from the newest checkpoint "
+              f"in {run_dir_of(cfg) / 'checkpoints'} with the same command: {command_line()}", file=sys.stderr)
+        sys.exit(130)
     except (TrainingError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

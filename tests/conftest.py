@@ -4,6 +4,7 @@ once per session in a temporary cache, and in-process composition of configs/tra
 from __future__ import annotations
 
 from pathlib import Path
+import signal
 from typing import Callable, Iterable
 
 import pytest
@@ -46,3 +47,32 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory, compose_train) -> Path:
     cache = tmp_path_factory.mktemp("nfp4-data-cache")
     prepare_from_config(compose_train([f"data.cache_dir={cache}"]).data)
     return cache
+
+
+FAST = [
+    "device=cpu",
+    "precision=fp32",
+    "wandb.enabled=false",
+    "train.seq_len=128",
+    "train.batch_size=8",
+    "train.micro_batch_size=8",  # 1024 tokens per micro-batch: quartet2's wgrad rotates by 128
+    "train.eval_batches=1",
+    "train.eval_batch_size=8",
+    "train.log_every=1000",
+]
+
+
+@pytest.fixture
+def tiny(compose_train, data_cache, tmp_path):
+    """``tiny(*overrides, run="run")``: a fast tiny-model config whose run_dir is tmp_path/run."""
+
+    def _cfg(*overrides: str, run: str = "run"):
+        return compose_train([*FAST, f"data.cache_dir={data_cache}", f"run_dir={tmp_path / run}",
+                              *overrides])
+
+    # run() restores the signal handlers it installs; should a test break off a run before that,
+    # the test process still gets its own back, so that it stops on SIGTERM.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield _cfg
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)

@@ -44,7 +44,7 @@ def torchrun(tmp_path: Path, runs: list[dict], expect_ok: bool = True) -> subpro
 
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows}
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def val_losses(run_dir: Path) -> dict[int, float]:
@@ -115,7 +115,7 @@ def test_resume_on_another_world_size_is_refused_unless_resharding(tmp_path, com
     run_dir = tmp_path / "run"
     extra = ("quant=bf16", "precision=fp32", "train.steps=2", "train.ckpt_every=1")
     torchrun(tmp_path, [{"overrides": _overrides(run_dir, data_cache, *extra)}])
-    with pytest.raises(ValueError, match=r"different world_size than this run.*Fix"):
+    with pytest.raises(ValueError, match=r"world_size: 2 in the checkpoint, 1 now.*Fix"):
         train.run(compose_train(_overrides(run_dir, data_cache, *extra)))
     # explicit reshard path: DCP loads the 2-rank shards into one process
     summary = train.run(compose_train(_overrides(run_dir, data_cache, *extra, "parallel.allow_reshard=true")))
@@ -147,7 +147,7 @@ def test_async_checkpoints_resume_exactly(tmp_path, compose_train, data_cache):
     part = tmp_path / "part"
     train.run(compose_train(_overrides(part, data_cache, *extra)))
     shutil.rmtree(part / "checkpoints" / "step_00000004")  # as if killed after step 2's save
-    lines = (part / "metrics.jsonl").read_text().splitlines()[:2]
+    lines = (part / "metrics.jsonl").read_text().splitlines()[:3]  # steps 0, 1, 2
     (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     train.run(compose_train(_overrides(part, data_cache, *extra)))
     assert "resuming at step 2" in (part / "train.log").read_text()

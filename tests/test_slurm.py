@@ -218,10 +218,14 @@ def test_local_launcher_sweep(data_cache, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for scheme in ("bf16", "quartet2"):
         run_dir = tmp_path / "multirun" / f"tiny-{scheme}-2steps-s0"
+        # The launching process prints a line per job as it starts and ends (training/sweep_progress.py).
+        assert f"sweep: started tiny-{scheme}-2steps-s0 ({run_dir})" in proc.stdout, proc.stdout
+        assert re.search(rf"sweep: finished tiny-{scheme}-2steps-s0: final validation loss \d+\.\d{{4}}", proc.stdout)
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["steps"] == 2 and summary["scheme"] == scheme and math.isfinite(summary["final_val_loss"])
-        assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+        assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2]
     assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_result.pkl"))) == 2
+    assert "sweep: 2 of 2 job(s) finished" in proc.stdout
 
 
 # ----------------------------------------------------------------------------- the sbatch templates
@@ -232,9 +236,9 @@ def test_single_node_sbatch(reference):
     summary = json.loads((reference / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["world_size"] == 2 and summary["scheme"] == "quartet2"
     rows = read_metrics(reference)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(0, STEPS + 1))
     val, train = final_losses(reference)
-    assert math.isfinite(val) and math.isfinite(train) and val < rows[0]["train/loss"]
+    assert math.isfinite(val) and math.isfinite(train) and val < rows[1]["train/loss"]
     assert "2 rank(s) on cpu" in (reference / "train.log").read_text()
     assert (reference / ".hydra" / "config.yaml").is_file()  # Hydra's output dir is the run dir
 
@@ -246,7 +250,7 @@ def test_single_node_preempt_requeue_resume(jobs, reference):
     _, step = jobs.preempt_and_finish(job)
     run_dir = jobs.run_dir(job)
     print(f"\npreempted job {job}: resumed at step {step}, {time.monotonic() - t0:.1f} s in all")
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(0, STEPS + 1))
     assert final_losses(run_dir) == final_losses(reference)  # exactly: the resume is bit-exact
 
 

@@ -23,12 +23,14 @@ from torch import nn
 
 import quant
 import train
+from conftest import FAST
 from data.loader import val_batches
 from data.prepare import load_manifest, prepare_from_config
 from model import build_model
 from model.llama import Llama, RMSNorm
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from training.checkpoint import Checkpointer, read_extra
+from training.config_checks import ConfigError
 from training.optim import build_adamw, param_groups
 from training.preemption import REQUEUE_FILE, STOP_FILE
 from training.schedule import lr_at
@@ -38,35 +40,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Single-process DCP checkpoints warn that no process group exists: that is the intended mode.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-FAST = [
-    "device=cpu",
-    "precision=fp32",
-    "wandb.enabled=false",
-    "train.seq_len=128",
-    "train.batch_size=8",
-    "train.micro_batch_size=8",  # 1024 tokens per micro-batch: quartet2's wgrad rotates by 128
-    "train.eval_batches=1",
-    "train.eval_batch_size=8",
-    "train.log_every=1000",
-]
-
-
-@pytest.fixture
-def tiny(compose_train, data_cache, tmp_path):
-    """``tiny(*overrides, run="run")``: a fast tiny-model config whose run_dir is tmp_path/run."""
-
-    def _cfg(*overrides: str, run: str = "run"):
-        return compose_train([*FAST, f"data.cache_dir={data_cache}", f"run_dir={tmp_path / run}",
-                              *overrides])
-
-    # run() installs the preemption watcher's SIGTERM/SIGUSR1 handlers and leaves them in place;
-    # give the test process its own back, so that it still stops on SIGTERM.
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield _cfg
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """metrics.jsonl as {step: record}; every step must appear once."""
@@ -129,10 +102,12 @@ def test_tiny_run_loss_falls(tiny):
                "train.eval_batches=2", "train.ckpt_every=1000")
     summary = train.run(cfg)
     metrics = read_metrics(cfg.run_dir)
-    assert sorted(metrics) == list(range(1, 41))
+    assert sorted(metrics) == list(range(0, 41))
 
-    # At init the model predicts the uniform distribution: loss ln(vocab).
+    # At init the model predicts the uniform distribution: loss ln(vocab), on validation (step 0,
+    # evaluated before training) and on the first training batch.
     uniform = math.log(cfg.model.vocab_size)
+    assert metrics[0]["val/loss"] == pytest.approx(uniform, abs=0.1)
     assert metrics[1]["train/loss"] == pytest.approx(uniform, abs=0.1)
 
     evals = [metrics[s]["val/loss"] for s in (10, 20, 30, 40)]
@@ -199,13 +174,13 @@ def test_resume_reproduces_uninterrupted_run(tiny, tmp_path, monkeypatch, settin
             with pytest.raises(stopped):
                 train.run(cfg_b)
         assert checkpoint_steps(run_dir)[-1] == stop
-        assert sorted(read_metrics(run_dir)) == list(range(1, stop + 1))
+        assert sorted(read_metrics(run_dir)) == list(range(0, stop + 1))
         if how == "preempt":
             assert (run_dir / REQUEUE_FILE).is_file()
 
         summary_b = train.run(cfg_b)  # resume=true is the default
         metrics_b = read_metrics(run_dir)
-        assert sorted(metrics_b) == list(range(1, steps + 1))
+        assert sorted(metrics_b) == list(range(0, steps + 1))
         assert f"resuming at step {stop}" in (run_dir / "train.log").read_text()
         for step in range(1, steps + 1):
             for key in ("train/loss", "train/grad_norm", "train/lr"):
@@ -219,11 +194,16 @@ def test_resume_reproduces_uninterrupted_run(tiny, tmp_path, monkeypatch, settin
 
     # Resuming a finished run trains nothing more and reports the same result.
     assert train.run(cfg_b) == summary_a
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps + 1
 
 
-@pytest.mark.parametrize("change,key", [("quant=nvidia", "quant"), ("model.n_layer=3", "model")])
-def test_resume_refuses_checkpoint_of_another_config(tiny, change, key):
+@pytest.mark.parametrize("change,key,old,new", [
+    ("quant=nvidia", "quant.name", "quartet2", "nvidia"),
+    ("model.n_layer=3", "model.n_layer", 2, 3),
+    ("precision=bf16", "precision", "fp32", "bf16"),
+    ("train.micro_batch_size=4", "train.micro_batch_size", 8, 4),
+])
+def test_resume_refuses_checkpoint_of_another_config(tiny, change, key, old, new):
     cfg = tiny("train.steps=1")
     train.run(cfg)
     saved = checkpoint_steps(cfg.run_dir)
@@ -232,9 +212,10 @@ def test_resume_refuses_checkpoint_of_another_config(tiny, change, key):
     with pytest.raises(ValueError) as info:
         train.run(tiny("train.steps=1", change))
     msg = str(info.value)
-    differing = re.search(r"with a different (.+?) than this run", msg)
-    assert differing and differing.group(1) == key, msg
+    differing = re.findall(r"([\w.]+): (\S+) in the checkpoint, (\S+) now", msg)
+    assert differing == [(key, repr(old), repr(new))], msg
     assert "Fix:" in msg and "run_name=" in msg and "resume=false" in msg
+    assert f"resume_with_changes=[{key}]" in msg
     assert checkpoint_steps(cfg.run_dir) == saved
 
 
@@ -290,7 +271,7 @@ def test_wandb_offline_run_holds_the_logged_metrics(tiny):
 
     records = [json.loads(line) for line in wandb_inspect(folders[0]).splitlines() if line.strip()]
     history = {r["history"]["step"]["num"]: r["history"]["item"] for r in records if r["type"] == "history"}
-    assert sorted(history) == sorted(metrics) == [1, 2, 3, 4]
+    assert sorted(history) == sorted(metrics) == [0, 1, 2, 3, 4]
     for step, row in metrics.items():
         for key, value in row.items():
             if key != "step":
@@ -335,7 +316,7 @@ def test_token_budget_drives_the_run(tiny):
     assert expected == 2
     summary = train.run(cfg)
     assert summary["steps"] == expected and summary["non_embedding_params"] == n
-    assert sorted(read_metrics(cfg.run_dir)) == [1, 2]
+    assert sorted(read_metrics(cfg.run_dir)) == [0, 1, 2]
     assert cfg.run_name == "tiny-quartet2-0.003tpp-s0"
 
 
@@ -386,8 +367,8 @@ def test_weight_decay_on_linear_weights_only(compose_train):
 
 
 @pytest.mark.parametrize("override,error,message", [
-    ("train.seq_len=512", train.TrainingError, r"train\.seq_len=512 exceeds model\.max_seq_len=256"),
-    ("train.micro_batch_size=3", train.TrainingError,
+    ("train.seq_len=512", ConfigError, r"train\.seq_len=512 exceeds model\.max_seq_len=256"),
+    ("train.micro_batch_size=3", ConfigError,
      r"train\.batch_size=8 must split into 1 rank\(s\) × micro-batches of train\.micro_batch_size=3"),
     ("model.vocab_size=1000", ValueError, r"vocabulary \(4096 pieces\) is bigger than the model's embedding \(1000"),
     ("data.inputs=[/nonexistent.txt]", FileNotFoundError, r"/nonexistent\.txt"),

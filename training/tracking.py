@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import uuid
@@ -35,7 +34,29 @@ def interactive() -> bool:
 
 
 def _clean(metrics: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+    """The metrics that have a value (a non-finite value is kept: it is what happened)."""
+    return {k: v for k, v in metrics.items() if v is not None}
+
+
+def _postfix(metrics: dict[str, Any], last_val: float | None) -> str:
+    """The progress bar's text: the step's loss, the latest throughput and validation loss."""
+    parts = []
+    if metrics.get("train/loss") is not None:
+        parts.append(f"loss={metrics['train/loss']:.4f}")
+    if metrics.get("perf/tokens_per_s"):
+        parts.append(f"tok/s={metrics['perf/tokens_per_s']:.0f}")
+    if last_val is not None:
+        parts.append(f"val={last_val:.4f}")
+    return " ".join(parts)
+
+
+def _wandb_note(run: Any, mode: str) -> str:
+    """One line on where the W&B run is, in the run's own words."""
+    if mode == "offline":
+        folder = Path(run.dir).parent
+        return f"W&B: offline run in {folder}; upload it later with: wandb sync {folder}"
+    url = getattr(run, "url", None)
+    return f"W&B: {url}" if url else f"W&B: run {run.id} ({mode})"
 
 
 class Tracker:
@@ -67,13 +88,9 @@ class Tracker:
         log.propagate = False
         log.disabled = False  # Hydra disables loggers created before it configured logging
         self._metrics = open(run_dir / "metrics.jsonl", "a")
-        self.bar = None
-        if interactive():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
         self.wandb = None
         self.run_id = run_id
+        self.wandb_note: str | None = None
         mode = wandb_mode(wandb_cfg.get("mode", "auto")) if wandb_cfg.get("enabled", True) else "disabled"
         if mode != "disabled":
             import wandb
@@ -90,7 +107,15 @@ class Tracker:
                 dir=str(run_dir),
                 config=config,
                 mode=mode,
+                settings=wandb.Settings(quiet=True, silent=True),
             )
+            self.wandb_note = _wandb_note(self.wandb, mode)
+        self.bar = None
+        self.last_val: float | None = None
+        if interactive():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def _line(self, msg: str, above_bar: bool) -> None:
         """``msg`` to train.log, and to stdout; with a progress bar, stdout only if ``above_bar``."""
@@ -110,13 +135,13 @@ class Tracker:
         self._metrics.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+        if "val/loss" in metrics:
+            self.last_val = metrics["val/loss"]
+        if self.bar is not None and (line or self.bar.postfix is None):
+            self.bar.set_postfix_str(_postfix(metrics, self.last_val), refresh=False)
         if not line:
             return
         text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-        if self.bar is not None:
-            loss = metrics.get("train/loss")
-            tps = metrics.get("perf/tokens_per_s")
-            self.bar.set_postfix_str(f"loss={loss:.4f} tok/s={tps:.0f}" if loss is not None and tps else "")
         self._line(f"step {step} {text}", above_bar=False)
 
     def advance(self, n: int = 1) -> None:

@@ -1,0 +1,64 @@
+"""The run directory's life cycle: a fresh start moves an earlier run aside instead of mixing with
+it, and a resumed run's metrics file is rewound to the checkpoint it resumes from."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "train.log", "wandb")
+"""What a run writes into its directory; any of them means an earlier run lives there."""
+
+HYDRA_DIR = ".hydra"
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds outputs of an earlier run."""
+    return any((Path(run_dir) / name).exists() for name in RUN_FILES)
+
+
+def move_aside(run_dir: Path, keep: tuple[str, ...] = (HYDRA_DIR,)) -> Path:
+    """Rename ``run_dir`` to ``<run_dir>.replaced-<YYYYmmdd-HHMMSS>`` and recreate it with only
+    the entries named in ``keep`` moved back: Hydra's ``.hydra/`` of the run now starting (Hydra
+    wrote it before the run began) and a pending stop request. Returns the earlier run's new name."""
+    run_dir = Path(run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}")
+    n = 1
+    while aside.exists():
+        aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}-{n}")
+        n += 1
+    os.replace(run_dir, aside)
+    run_dir.mkdir(parents=True)
+    for name in keep:
+        if (aside / name).exists():
+            os.replace(aside / name, run_dir / name)
+    return aside
+
+
+def rewind_metrics(run_dir: Path, step: int) -> int:
+    """Keep the rows of ``metrics.jsonl`` up to ``step`` (the checkpoint a run resumes from) and
+    append the later ones, which the resumed run replaces, to ``metrics.replaced.jsonl``.
+    Returns how many rows moved. The rewrite is atomic (a kill leaves either file whole)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    keep, later = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row_step = json.loads(line).get("step", 0)
+        except ValueError:
+            row_step = step + 1  # a torn last line of a killed run: replaced, but kept aside
+        (keep if row_step <= step else later).append(line)
+    if not later:
+        return 0
+    with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
+        f.write("".join(line + "\n" for line in later))
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return len(later)
