@@ -102,6 +102,14 @@ def total_steps(cfg: DictConfig, non_embedding_params: int) -> int:
     return int(cfg.train.steps)
 
 
+def _tokens(n: int) -> str:
+    """A token count for a log line: 6.14k, 762M, 38B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def run_dir_of(cfg: DictConfig) -> Path:
     """``cfg.run_dir``, or Hydra's output directory (``${run_root}/${run_name}``)."""
     return Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
@@ -246,7 +254,7 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
     tracker.info(
         f"run {cfg.run_name}: model {cfg.model.name} ({n_params:,} non-embedding params), scheme "
         f"{scheme.name}, {steps} steps of {cfg.train.batch_size}×{cfg.train.seq_len} tokens "
-        f"({steps * tokens_per_step / 1e6:.3g}M tokens), {di.world_size} rank(s) on {device.type}; "
+        f"({_tokens(steps * tokens_per_step)} tokens), {di.world_size} rank(s) on {device.type}; "
         + (f"resuming at step {start} from {latest}" if latest else "starting from step 0")
         + f"; dir {run_dir}"
     )
@@ -385,7 +393,8 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
         tracker.summary(summary)
         minutes = (time.perf_counter() - t_run) / 60
         tracker.info(f"done: final validation loss {last_val:.4f} after {steps} steps "
-                     f"({steps * tokens_per_step / 1e6:.3g}M tokens; this session {minutes:.1f} min); "
+                     f"({_tokens(steps * tokens_per_step)} tokens), {minutes:.1f} min"
+                     + (f" since resuming at step {start}" if start else "") + "; "
                      f"results in {run_dir}")
         return summary
     except (Preempted, Interrupted):

@@ -74,6 +74,14 @@ class SweepProgress(Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Launchers pickle the Hydra context, callbacks included, into each job: the watcher
+        stays in the launching process."""
+        return {"poll_s": self.poll_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._watcher = SweepWatcher(Path(str(config.hydra.sweep.dir)))
         self._stop.clear()
