@@ -167,7 +167,7 @@ def _train(cfg: DictConfig, di: DistInfo, handle_ctrl_c: bool = False) -> dict[s
     checkpoints = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
                                async_save=cfg.train.async_checkpoint, is_main=di.is_main)
     notes: list[str] = []
-    latest, skipped = checkpoints.newest_verified() if cfg.resume else (None, [])
+    latest, skipped = checkpoints.newest_verified(clean=True) if cfg.resume else (None, [])
     for path, why in skipped:
         notes.append(f"warning: skipped checkpoint {path}: {why}")
     if latest is None and di.is_main and holds_a_run(run_dir):

@@ -29,6 +29,7 @@ import json
 import lzma
 import multiprocessing
 import os
+import sys
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from functools import partial
@@ -147,16 +148,29 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
 
 
 def iter_documents(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
-    """The documents of one input file, in file order (see the module docstring for formats)."""
+    """The documents of one input file, in file order (see the module docstring for formats).
+
+    ValueError naming the file and the byte offset when a text file is not UTF-8."""
     path = Path(path)
     kind = _kind(path)
     if kind == "txt":
-        return _txt_documents(path)
+        return _utf8_checked(path, _txt_documents(path))
     if kind == "jsonl":
-        return _jsonl_documents(path, text_field)
+        return _utf8_checked(path, _jsonl_documents(path, text_field))
     if kind == "parquet":
         return _parquet_documents(path, text_field)
     raise ValueError(f"unsupported input file {path}: use .txt, .jsonl or .parquet.")
+
+
+def _utf8_checked(path: Path, documents: Iterator[str]) -> Iterator[str]:
+    try:
+        yield from documents
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path} is not UTF-8 text ({err.reason} at byte {err.start} of a read block: "
+            f"{err.object[err.start:err.start + 8]!r}). Fix: convert it, e.g. iconv -f latin1 -t "
+            f"utf-8 {path.name} > {path.stem}.utf8{path.suffix}, or leave it out of data.inputs."
+        ) from None
 
 
 def iter_hf_documents(
@@ -561,6 +575,24 @@ def _repo_path(path: str | os.PathLike) -> Path:
     return REPO_ROOT / Path(path).expanduser()
 
 
+def _mandatory_tokenizer_path(cfg: Mapping[str, Any]) -> str | None:
+    """``cfg["tokenizer_path"]``; ValueError naming the fix when it is OmegaConf's unset
+    mandatory value ``???``."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        return cfg["tokenizer_path"]
+    except MissingMandatoryValue:
+        raise ValueError(
+            f"data.tokenizer_path is not set, and the {cfg.get('name')} dataset has no tokenizer "
+            f"of its own: it needs a SentencePiece model file (for C4, Llama-2's tokenizer.model "
+            f"from Meta's Llama-2 release; it is not distributed here). Fix: add "
+            f"data.tokenizer_path=/path/to/llama-2/tokenizer.model to the train.py command, or "
+            f"prepare the dataset ahead: python -m data.prepare --config "
+            f"configs/data/{cfg.get('name')}.yaml --set tokenizer_path=/path/to/llama-2/tokenizer.model"
+        ) from None
+
+
 def prepare_from_config(cfg: Mapping[str, Any]) -> Path:
     """Prepare the dataset described by the ``data`` config group; return its directory.
 
@@ -573,17 +605,18 @@ def prepare_from_config(cfg: Mapping[str, Any]) -> Path:
     lock, but the usual pattern is: rank 0 calls it, barrier, the other ranks call it.
 
     ValueError when ``vocab_size`` differs from the tokenizer's, so ``cfg.vocab_size`` can be used
-    for the model's embedding; the manifest's ``vocab_size`` is the same number.
+    for the model's embedding; the manifest's ``vocab_size`` is the same number. ValueError, before
+    anything is read or written, when ``tokenizer_path`` is mandatory (``???``, as in
+    configs/data/c4.yaml) and not set.
     """
+    tokenizer_path = _mandatory_tokenizer_path(cfg)
     hf_dataset = dict(cfg["hf_dataset"]) if cfg.get("hf_dataset") else None
     files = expand_inputs(_repo_path(p) for p in (cfg.get("inputs") or []))
     text_field = cfg.get("text_field") or "text"
     vocab_size = int(cfg["vocab_size"])
     val_fraction = float(cfg["val_fraction"])
     max_tokens = cfg.get("max_tokens")
-    given_tokenizer = (
-        Tokenizer(_repo_path(cfg["tokenizer_path"])) if cfg["tokenizer_path"] else None
-    )
+    given_tokenizer = Tokenizer(_repo_path(tokenizer_path)) if tokenizer_path else None
     key = _digest(
         {
             "sources": _source_ids(files, hf_dataset),
@@ -694,4 +727,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")

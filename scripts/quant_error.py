@@ -10,7 +10,12 @@ Protocol (SPEC §5):
 ``bits = −log2(MSE) / 2``. The paper's full sizes are ``rows = 2^20`` and ``n = 8192``;
 ``--small`` runs ``rows = 2^14`` and ``n = 1024`` in seconds (docs/quant_error.md compares both).
 
-Usage: ``python scripts/quant_error.py [--rows 1048576] [--n 8192] [--seed 0]``
+The quantizers run on chunks of rows with the whole tensor's amax, and the per-row errors are
+averaged once at the end, so the numbers do not depend on the chunk size (see
+:func:`rotated_errors`); the chunks bound the memory.
+
+Usage: ``python scripts/quant_error.py [--rows 1048576] [--n 8192] [--seed 0] [--chunk-elements N]
+[--threads 1]``
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quant.format import GROUP  # noqa: E402
 from quant.hadamard import random_signs, rotate, unrotate  # noqa: E402
 from quant.quantizers import (  # noqa: E402
     quantize_ms_eden,
@@ -47,49 +53,126 @@ BOUND_BY = {"MS-EDEN (post hoc)": "MS-EDEN"}
 alignment keeps the error no worse than the table)."""
 
 
-def relative_mse(x: torch.Tensor, x_hat: torch.Tensor) -> float:
-    """Mean over rows of ``‖x − x̂‖² / ‖x‖²`` (float64 accumulation)."""
+CHUNK_ELEMENTS = 2**20
+"""Elements per chunk of rows (4 MiB per float32 intermediate). The full-size run's memory is
+then mostly its random draws (x and SR's uniforms, 512 MiB each); quantizing the whole tensors
+at once would hold about 12 GB of intermediates."""
+
+E4M3_MIN_NORMAL = 2.0**-6
+"""E4M3's smallest normal value; below it the E4M3 grid no longer scales with powers of two."""
+
+
+def row_chunks(rows: int, cols: int, chunk_elements: int = CHUNK_ELEMENTS) -> list[slice]:
+    """Consecutive slices of rows holding about ``chunk_elements`` elements each; their length is
+    a multiple of 16 (at least 16), so no 16×16 tile straddles two chunks."""
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements={chunk_elements}: give a positive number of elements")
+    step = max(GROUP, chunk_elements // cols // GROUP * GROUP)
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def row_errors(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    """``‖x − x̂‖² / ‖x‖²`` of each row (float64 accumulation)."""
     x, x_hat = x.double(), x_hat.double()
-    return (((x - x_hat) ** 2).sum(1) / (x**2).sum(1)).mean().item()
+    return ((x - x_hat) ** 2).sum(1) / (x**2).sum(1)
 
 
 def bits(mse: float) -> float:
+    """``−log2(MSE) / 2`` (SPEC §5)."""
     return -math.log2(mse) / 2
 
 
-def rotated_errors(rows: int, seed: int = 0, h: int = 128) -> dict[str, float]:
+def check_posthoc_chunks(tensor_scales: list[torch.Tensor], smallest_scales: list[torch.Tensor]) -> None:
+    """Raise ValueError unless post hoc MS-EDEN on chunks of rows gave the whole tensor's ``x̂``.
+
+    Post hoc range alignment (``quantize_ms_eden(posthoc=True)``) is row-local except for its
+    tensor scale, the smallest power of two ``s`` with ``max(c) / s ≤ 448`` over the tensor.
+    Chunk ``k`` alone gets ``s_k`` (its ``tensor_scales`` entry), and the whole tensor
+    ``s = max_k s_k = 2^j · s_k`` (the rule is monotone in ``max(c)``). When every corrected
+    scale has ``c / s ≥ 2^-6`` (E4M3's smallest normal), the E4M3 neighbours of ``c / s`` are
+    those of ``c / s_k`` divided by ``2^j`` and ``P(up)`` is the same, so with the same uniform
+    ``sr(c / s) = sr(c / s_k) / 2^j`` and ``x̂ = q · sr(c / s) · s`` is the chunk's ``x̂`` bit for
+    bit (products with powers of two are exact). A chunk's ``smallest_scales`` entry is the
+    smallest nonzero ``r · s_k``, ``r = sr(c / s_k)``: ``r > 2^(j-6)`` bounds the lower
+    neighbour of ``c / s_k`` (hence ``c / s_k`` itself) by ``2^(j-6)`` from below, which is the
+    condition. Chunks with ``s_k = s`` need none.
+    """
+    s = torch.stack(tensor_scales).amax()
+    for k, (s_k, smallest) in enumerate(zip(tensor_scales, smallest_scales)):
+        if s_k < s and not smallest > E4M3_MIN_NORMAL * s:
+            raise ValueError(
+                f"chunk {k} of the post hoc MS-EDEN row has a block scale of {float(smallest):.3g} "
+                f"· s_t against the tensor's s_t of {float(s):.3g}: below E4M3's normal range, "
+                f"where chunked and whole-tensor quantization differ. Fix: pass a larger "
+                f"--chunk-elements (rows × 128 quantizes the whole tensor at once)."
+            )
+
+
+def rotated_errors(
+    rows: int, seed: int = 0, h: int = 128, chunk_elements: int = CHUNK_ELEMENTS
+) -> dict[str, float]:
     """RTN, SR and MS-EDEN (and MS-EDEN with post hoc range alignment) on the rotated,
-    row-scaled Gaussian of SPEC §5."""
+    row-scaled Gaussian of SPEC §5: the mean over rows of ``‖x − x̂‖² / ‖x‖²``.
+
+    The random draws are made whole and in this order: ``x``, the signs, SR's uniforms,
+    MS-EDEN's uniforms. The quantizers then run on chunks of rows (:func:`row_chunks`), each
+    given the amax of the whole rotated tensor (the largest of the chunks' amaxes), which makes
+    RTN, SR and MS-EDEN row-local; the per-row errors are collected into one float64 vector and
+    averaged at the end. Every row is then the number a single whole-tensor pass gives, bit for
+    bit, whatever ``chunk_elements``; the post hoc row is checked by
+    :func:`check_posthoc_chunks`.
+    """
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, 128, generator=g) * torch.logspace(0, 8, rows, base=2)[:, None]
+    x = torch.randn(rows, 128, generator=g).mul_(torch.logspace(0, 8, rows, base=2)[:, None])
     signs = random_signs(h, g, "cpu")
-    xr = rotate(x, signs)
-    out = {"RTN": relative_mse(x, unrotate(quantize_rtn(xr).dequantize(), signs))}
-    sr = quantize_sr(xr, torch.rand(xr.shape, generator=g)).dequantize()
-    out["SR"] = relative_mse(x, unrotate(sr, signs))
-    u = torch.rand(rows, 128 // 16, generator=g)
-    out["MS-EDEN"] = relative_mse(x, unrotate(quantize_ms_eden(xr, u, chunk=h).dequantize(), signs))
-    posthoc = quantize_ms_eden(xr, u, chunk=h, posthoc=True).dequantize()
-    out["MS-EDEN (post hoc)"] = relative_mse(x, unrotate(posthoc, signs))
-    return out
+    u_sr = torch.rand(x.shape, generator=g)
+    u_eden = torch.rand(rows, 128 // GROUP, generator=g)
+    chunks = row_chunks(rows, 128, chunk_elements)
+    amax = torch.stack([rotate(x[c], signs).abs().amax() for c in chunks]).amax()
+    names = ("RTN", "SR", "MS-EDEN", "MS-EDEN (post hoc)")
+    err = {name: torch.empty(rows, dtype=torch.float64) for name in names}
+    posthoc_scales, posthoc_smallest = [], []
+    for c in chunks:
+        xc = x[c]
+        xr = rotate(xc, signs)
+        err["RTN"][c] = row_errors(xc, unrotate(quantize_rtn(xr, amax=amax).dequantize(), signs))
+        sr = quantize_sr(xr, u_sr[c], amax=amax).dequantize()
+        err["SR"][c] = row_errors(xc, unrotate(sr, signs))
+        eden = quantize_ms_eden(xr, u_eden[c], chunk=h, amax=amax).dequantize()
+        err["MS-EDEN"][c] = row_errors(xc, unrotate(eden, signs))
+        posthoc = quantize_ms_eden(xr, u_eden[c], chunk=h, posthoc=True)
+        scales = posthoc.block_scale * posthoc.tensor_scale
+        posthoc_scales.append(posthoc.tensor_scale)
+        posthoc_smallest.append(torch.where(scales > 0, scales, math.inf).amin())
+        err["MS-EDEN (post hoc)"][c] = row_errors(xc, unrotate(posthoc.dequantize(), signs))
+    check_posthoc_chunks(posthoc_scales, posthoc_smallest)
+    return {name: e.mean().item() for name, e in err.items()}
 
 
-def unrotated_errors(n: int, seed: int = 0) -> dict[str, float]:
-    """RTN 1×16, RTN 1×16 + 4/6 and RTN 16×16 on an ``n × n`` Gaussian, no rotation."""
+def unrotated_errors(n: int, seed: int = 0, chunk_elements: int = CHUNK_ELEMENTS) -> dict[str, float]:
+    """RTN 1×16, RTN 1×16 + 4/6 and RTN 16×16 on an ``n × n`` Gaussian, no rotation: the mean
+    over rows of ``‖y − ŷ‖² / ‖y‖²``, computed on chunks of rows given the whole tensor's amax
+    (as in :func:`rotated_errors`; chunks of a multiple of 16 rows keep the 16×16 tiles whole)."""
     g = torch.Generator().manual_seed(seed + 1)
     y = torch.randn(n, n, generator=g)
-    return {
-        "RTN 1×16 (no rotation)": relative_mse(y, quantize_rtn(y).dequantize()),
-        "RTN 1×16 + 4/6 (no rotation)": relative_mse(
-            y, quantize_rtn(y, four_over_six=True).dequantize()
-        ),
-        "RTN 16×16 (no rotation)": relative_mse(y, quantize_rtn_2d(y).dequantize()),
+    chunks = row_chunks(n, n, chunk_elements)
+    amax = torch.stack([y[c].abs().amax() for c in chunks]).amax()
+    quantizers = {
+        "RTN 1×16 (no rotation)": lambda v: quantize_rtn(v, amax=amax),
+        "RTN 1×16 + 4/6 (no rotation)": lambda v: quantize_rtn(v, four_over_six=True, amax=amax),
+        "RTN 16×16 (no rotation)": lambda v: quantize_rtn_2d(v, amax=amax),
     }
+    err = {name: torch.empty(n, dtype=torch.float64) for name in quantizers}
+    for c in chunks:
+        for name, quantize in quantizers.items():
+            err[name][c] = row_errors(y[c], quantize(y[c]).dequantize())
+    return {name: e.mean().item() for name, e in err.items()}
 
 
-def error_table(rows: int, n: int, seed: int = 0) -> dict[str, float]:
-    """All six rows of the SPEC §5 table at the given sizes."""
-    return {**rotated_errors(rows, seed), **unrotated_errors(n, seed)}
+def error_table(rows: int, n: int, seed: int = 0, chunk_elements: int = CHUNK_ELEMENTS) -> dict[str, float]:
+    """All seven rows of the SPEC §5 table at the given sizes (see :func:`rotated_errors`)."""
+    return {**rotated_errors(rows, seed, chunk_elements=chunk_elements),
+            **unrotated_errors(n, seed, chunk_elements)}
 
 
 def markdown(table: dict[str, float]) -> str:
@@ -112,10 +195,21 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8192, help="side of the unrotated Gaussian (paper: 8192)")
     p.add_argument("--small", action="store_true", help="rows=2^14, n=1024: seconds on a laptop")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-elements", type=int, default=CHUNK_ELEMENTS,
+                   help="elements per chunk of rows (memory, not results: any value gives the same "
+                        f"numbers; default {CHUNK_ELEMENTS})")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads (default 1: with other jobs on a 2-core machine, two threads "
+                        "ran the full-size table several times slower; docs/quant_error.md)")
     a = p.parse_args()
+    torch.set_num_threads(a.threads)
     rows, n = (2**14, 1024) if a.small else (a.rows, a.n)
     print(f"rows={rows} (×128, rotation h=128), n={n} (unrotated), seed={a.seed}\n")
-    print(markdown(error_table(rows, n, a.seed)))
+    try:
+        table = error_table(rows, n, a.seed, a.chunk_elements)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    print(markdown(table))
 
 
 if __name__ == "__main__":

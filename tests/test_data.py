@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -15,7 +16,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
-from omegaconf.errors import MissingMandatoryValue
 
 from data import prepare as prep
 from data.loader import TokenLoader, val_batches
@@ -210,6 +210,15 @@ def test_missing_text_field_is_reported(tmp_path: Path, tokenizer: Tokenizer) ->
         prepare(tmp_path / "b", tokenizer.path, [tmp_path / "x.parquet"], progress=False)
 
 
+@pytest.mark.parametrize("name", ["latin1.txt", "latin1.jsonl"])
+def test_non_utf8_input_names_the_file(tmp_path: Path, tokenizer: Tokenizer, name: str) -> None:
+    text = "caf\u00e9 au lait\n" if name.endswith(".txt") else '{"text": "caf\u00e9"}\n'
+    (tmp_path / name).write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / name))} is not UTF-8 text .*Fix: convert it"):
+        prepare(tmp_path / "out", tokenizer.path, [tmp_path / name], progress=False)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_missing_input_and_empty_corpus(tmp_path: Path, tokenizer: Tokenizer) -> None:
     with pytest.raises(FileNotFoundError, match=r"input not found: .*nope\.txt"):
         prepare(tmp_path / "a", tokenizer.path, [tmp_path / "nope.txt"], progress=False)
@@ -391,9 +400,16 @@ def load_config(name: str, tmp_path: Path, **overrides: object) -> OmegaConf:
     return OmegaConf.merge(cfg, {"cache_dir": str(tmp_path / "cache"), **overrides})
 
 
-def test_sample_config_prepares_the_bundled_corpus(tmp_path: Path) -> None:
+def test_sample_config_prepares_the_bundled_corpus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m data.prepare --config configs/data/sample.yaml`` prints docs/data.md's line."""
     cfg = load_config("sample", tmp_path, num_workers=1)
-    out = prepare_from_config(cfg)
+    out = prep.main(["--config", str(REPO / "configs" / "data" / "sample.yaml"),
+                     "--set", f"cache_dir={cfg.cache_dir}", "--set", "num_workers=1"])
+    doc = (REPO / "docs" / "data.md").read_text(encoding="utf-8")
+    documented = re.search(r"^# /path/to/repo/data/cache/sample-<key>: (.*)$", doc, re.M)
+    assert documented and capsys.readouterr().out == f"{out}: {documented.group(1)}\n"
     assert out.parent == tmp_path / "cache" and out.name.startswith("sample-")
     manifest = load_manifest(out)
     assert manifest["vocab_size"] == cfg.vocab_size == 4096
@@ -414,8 +430,24 @@ def test_config_vocab_mismatch_and_missing_tokenizer(
     cfg.tokenizer_path = str(tmp_path / "llama" / "tokenizer.model")
     with pytest.raises(FileNotFoundError, match=r"llama/tokenizer\.model"):
         prepare_from_config(cfg)
-    with pytest.raises(MissingMandatoryValue):
-        prepare_from_config(load_config("c4", tmp_path))
+
+
+def test_c4_without_tokenizer_path_names_the_fix(tmp_path: Path, compose_train) -> None:
+    """``python train.py data=c4`` without ``data.tokenizer_path``: the config train.py composes
+    gives a ValueError (train.py prints it as one line) naming both fixes, before anything is
+    written; so does the config file read by ``python -m data.prepare --config``."""
+    cfg = compose_train(["data=c4", f"data.cache_dir={tmp_path / 'cache'}"]).data
+    assert OmegaConf.is_missing(cfg, "tokenizer_path")
+    fixes = (
+        r"data\.tokenizer_path is not set.*Fix: add data\.tokenizer_path=/path/to/llama-2/tokenizer\.model "
+        r"to the train\.py command, or prepare the dataset ahead: python -m data\.prepare --config "
+        r"configs/data/c4\.yaml --set tokenizer_path=/path/to/llama-2/tokenizer\.model$"
+    )
+    with pytest.raises(ValueError, match=fixes):
+        prepare_from_config(cfg)
+    with pytest.raises(ValueError, match=fixes):
+        prep.main(["--config", str(REPO / "configs" / "data" / "c4.yaml"), "--set", f"cache_dir={tmp_path / 'cache'}"])
+    assert not (tmp_path / "cache").exists()
 
 
 def test_c4_config_streams_a_hf_dataset(

@@ -1,6 +1,7 @@
 """Tests of the sweep configs (configs/experiment/): the C4 sweep composes into the 4 × 5 × 6 grid of
 the paper with its recipe, and the smoke sweep runs end to end through the local submitit launcher,
-after which scripts/compare_runs.py reports it. The smoke sweep is ~30 s on 2 cores."""
+after which scripts/compare_runs.py reports it. docs/experiments.md's budget table and example
+report are regenerated and compared with the page. The smoke sweep is ~30 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-import train  # noqa: F401  (registers the ${budget:...} resolver of run names)
+import train  # also registers the ${budget:...} resolver of run names
+from model import build_model
 from scripts import compare_runs as cr
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,3 +138,37 @@ def test_compare_runs_reports_the_smoke_sweep(smoke_sweep, tmp_path, capsys):
     assert "| tiny | 524,928 | 8,192 |" in out
     assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_documented_budget_table_is_what_the_trainer_runs():
+    """docs/experiments.md's table of steps (and tokens) per budget of the C4 sweep, and its
+    totals, regenerated from ``train.total_steps`` and the presets' non-embedding parameters."""
+    doc = (REPO / "docs" / "experiments.md").read_text(encoding="utf-8")
+    header = "| tokens/param | 30m | 50m | 100m | 200m |"
+    lines = doc.split(header, 1)[1].strip().splitlines()[1 : 1 + len(TPP)]
+    base = ["experiment=c4_sweep", "data.tokenizer_path=/models/llama-2/tokenizer.model"]
+    tokens = {}
+    for size in SIZES:
+        cfg = compose_with_hydra(base + [f"model={size}"])
+        n = build_model(cfg.model, device="meta").num_params(non_embedding=True)
+        for tpp in TPP:
+            cfg.train.tokens_per_param = tpp
+            tokens[tpp, size] = train.total_steps(cfg, n) * cfg.train.batch_size * cfg.train.seq_len
+    expected = [f"| {tpp} | " + " | ".join(
+        f"{tokens[tpp, s] // 262_144:,} ({tokens[tpp, s] / 1e9:.2f}B)" for s in SIZES) + " |" for tpp in TPP]
+    assert lines == expected
+    assert f"about {5 * sum(tokens.values()) / 1e12:.1f}T training tokens" in doc.replace("\n", " ")
+    assert f"(200m × 800) needs {tokens[800, '200m'] / 1e9:.1f}B tokens" in doc.replace("\n", " ")
+
+
+def test_documented_report_is_what_compare_runs_prints(smoke_sweep, tmp_path, monkeypatch, capsys):
+    """docs/experiments.md's example output of ``compare_runs.py`` is the smoke sweep's report, as
+    printed from a working directory that gets the default ``loss_gap.png``."""
+    doc = (REPO / "docs" / "experiments.md").read_text(encoding="utf-8")
+    block = doc.split("**Output** (stdout, and `--out FILE`): here the smoke sweep's.\n\n", 1)[1]
+    block = block.split("\n\nReading it:", 1)[0]
+    documented = "\n".join(line.removeprefix("    ") for line in block.splitlines())
+    monkeypatch.chdir(tmp_path)
+    assert cr.main([str(smoke_sweep)]) == 0
+    assert capsys.readouterr().out == documented + "\n"
+    assert (tmp_path / "loss_gap.png").is_file()

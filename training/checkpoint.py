@@ -247,18 +247,19 @@ class Checkpointer:
         found = self.all()
         return found[-1][1] if found else None
 
-    def newest_verified(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+    def newest_verified(self, clean: bool = False) -> tuple[Path | None, list[tuple[Path, str]]]:
         """The newest checkpoint that verifies (collective: the ranks share the hashing), and
-        ``(path, reason)`` for each newer one that was skipped. Interrupted saves
-        (``.step_*.tmp``) count as skipped; rank 0 removes them."""
+        ``(path, reason)`` for each newer one that was skipped. With ``clean`` (the trainer, as
+        it starts), interrupted saves (``.step_*.tmp``) count as skipped and rank 0 removes them;
+        other readers leave them alone, since a running job may be writing one."""
         skipped: list[tuple[Path, str]] = []
-        if self.directory.is_dir():
+        if clean and self.directory.is_dir():
             for tmp in sorted(p for p in self.directory.iterdir() if _TMP.match(p.name)):
                 skipped.append((tmp, "an interrupted save (removed)"))
-        barrier()
-        if self.is_main:
-            for tmp, _ in skipped:
-                shutil.rmtree(tmp, ignore_errors=True)
+            barrier()
+            if self.is_main:
+                for tmp, _ in skipped:
+                    shutil.rmtree(tmp, ignore_errors=True)
         rank, world = rank_and_world()
         for _, path in reversed(self._named()):
             problems = [p for p in all_gather_objects(verify(path, (rank, world))) if p]
