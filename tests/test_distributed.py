@@ -113,8 +113,9 @@ def test_truncated_or_unfinished_checkpoint_is_ignored(tmp_path, compose_train, 
 
 def test_resume_on_another_world_size_is_refused_unless_resharding(tmp_path, compose_train, data_cache):
     run_dir = tmp_path / "run"
-    extra = ("quant=bf16", "precision=fp32", "train.steps=2", "train.ckpt_every=1")
-    torchrun(tmp_path, [{"overrides": _overrides(run_dir, data_cache, *extra)}])
+    extra = ("quant=bf16", "precision=fp32", "train.steps=3", "train.ckpt_every=1")
+    torchrun(tmp_path, [{"overrides": _overrides(run_dir, data_cache, *extra), "exit_after_checkpoint": 2}],
+             expect_ok=False)
     with pytest.raises(ValueError, match=r"world_size: 2 in the checkpoint, 1 now.*Fix"):
         train.run(compose_train(_overrides(run_dir, data_cache, *extra)))
     # explicit reshard path: DCP loads the 2-rank shards into one process
