@@ -1,6 +1,6 @@
 """NVFP4 quantized linear layers: format, reference quantizers, schemes and one autograd Function.
 
-See ``../shared/SPEC.md`` (§1 format, §2 quantizers, §3 schemes) for the numerical contract.
+See docs/spec.md (§1 format, §2 quantizers, §3 schemes) for the numerical contract.
 """
 
 from .linear import QuantLinear, edge_block_patterns, quantize_model, quantized_linear
