@@ -17,6 +17,7 @@ dimension there first (``NVFP4Tensor.dim`` records where it came from).
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -98,14 +99,17 @@ def round_e4m3_mantissa(x: torch.Tensor) -> torch.Tensor:
 
 def pow2_scale_for(c_max: torch.Tensor, target: float = E4M3_MAX) -> torch.Tensor:
     """The smallest power of two ``s`` with ``c_max / s ≤ target`` (``target`` = m·2^j with
-    m ∈ [1, 2); FP32 0-dim; 1 when ``c_max`` is 0): the post hoc tensor scale of MS-EDEN, which
-    keeps ``c / s`` exact and on E4M3's mantissa grid when ``c`` is."""
-    b = c_max.float().view(torch.int32)
+    m ∈ [1, 2); FP32 0-dim; 1 when ``c_max`` is 0, NaN when it is NaN or +inf, for which no
+    power of two serves): the post hoc tensor scale of MS-EDEN, which keeps ``c / s`` exact and
+    on E4M3's mantissa grid when ``c`` is."""
+    c_max = c_max.float()
+    b = c_max.view(torch.int32)
     t = struct.unpack("<i", struct.pack("<f", target))[0]  # target's FP32 bit pattern
     exp = (b >> 23) - (t >> 23)
     k = torch.clamp(exp + ((b & 0x7FFFFF) > (t & 0x7FFFFF)).to(torch.int32), min=-126)
     s = ((k + 127) << 23).view(torch.float32)
-    return torch.where(c_max > 0, s, torch.ones_like(s))
+    s = torch.where(c_max > 0, s, torch.ones_like(s))
+    return torch.where(c_max < math.inf, s, torch.full_like(s, math.nan))
 
 
 def e4m3_neighbours(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +130,16 @@ def e4m3_neighbours(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tensor_scale(amax: torch.Tensor, target: float) -> torch.Tensor:
-    """FP32 tensor scale ``s_t = amax / target`` (SPEC §2); 1 for an all-zero tensor.
+    """FP32 tensor scale ``s_t = amax / target`` (SPEC §2); 1 for an all-zero tensor, NaN for an
+    amax that is NaN or +inf (then no scale is meaningful, and ``x̂ = q · s_b · s_t`` is NaN in
+    every element: the non-finite rule of :mod:`quant.quantizers`).
 
     The divisor is a float32 tensor: CUDA turns division by a Python float into a multiplication
     by its reciprocal, which can differ from true division in the last bit.
     """
     amax = amax.float()
-    return torch.where(amax > 0, amax / fp32(target, amax.device), torch.ones_like(amax))
+    s = torch.where(amax > 0, amax / fp32(target, amax.device), torch.ones_like(amax))
+    return torch.where(amax < math.inf, s, torch.full_like(s, math.nan))
 
 
 def fp32(value: float, device: torch.device | str | None = None) -> torch.Tensor:

@@ -78,12 +78,12 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     h = signs.numel()
     check_rotation_size(h)
     check_rotatable(x.shape[-1], h, "the rotated (last) dimension")
-    chunks = x.float().reshape(*x.shape[:-1], -1, h) * signs
+    chunks = x.float().reshape(*x.shape[:-1], x.shape[-1] // h, h) * signs
     return fwht(chunks).reshape(x.shape)
 
 
 def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`rotate`: ``(y · H_h / √h) ⊙ σ`` (the normalised H is its own inverse)."""
     h = signs.numel()
-    chunks = fwht(y.float().reshape(*y.shape[:-1], -1, h))
+    chunks = fwht(y.float().reshape(*y.shape[:-1], y.shape[-1] // h, h))
     return (chunks * signs).reshape(y.shape)

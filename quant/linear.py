@@ -62,13 +62,17 @@ class _Factor:
 
 
 def _amax(x: torch.Tensor, delayed: torch.Tensor | None, slot: int) -> torch.Tensor | None:
-    """Delayed amax (SPEC §3 ablation): use the previous call's amax, store the current one."""
+    """Delayed amax (SPEC §3 ablation): use the previous call's amax, store the current one.
+
+    A previous amax that is 0 (the first call) or non-finite (a call that saw NaN or ±inf) is
+    not reused: the current one is. (A non-finite current amax wins over the previous one in
+    the quantizer, :func:`~quant.quantizers.amax_of`.)"""
     if delayed is None:
         return None
     current = amax_of(x)
     previous = delayed[slot].clone()
     delayed[slot] = current
-    return torch.where(previous > 0, previous, current)
+    return torch.where((previous > 0) & (previous < math.inf), previous, current)
 
 
 def uniforms(rng: torch.Generator | PhiloxStream, shape: tuple[int, ...], mode: str,

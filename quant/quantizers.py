@@ -10,10 +10,37 @@ Scale arithmetic shared by all quantizers (SPEC §2): ``s_t = amax / (target_t)`
 the product ``s_b · s_t`` rounded once in float32, and ``x̂ = (q · s_b) · s_t``.
 ``amax`` may be given explicitly (delayed amax: reuse the previous call's value); values beyond
 it then saturate.
+
+Non-finite inputs (SPEC §1–2 are silent on NaN and ±inf; this is the rule of every quantizer
+here and of the kernels of :mod:`quant.kernels`): **if any element of the tensor to quantize
+(after its rotation, if any) is NaN or ±inf, the quantized tensor is NaN in every element**:
+its tensor scale is NaN, so ``x̂ = q · s_b · s_t`` is NaN everywhere, and so is every GEMM
+output that reduces over it (a NaN or inf gradient never comes out of a quantized GEMM finite,
+let alone zero). The whole tensor, not only the group: the tensor scale is a function of the
+tensor's amax, and no scale is meaningful for any group once that is non-finite. How each
+quantizer gets there:
+
+* with an amax (RTN, 16×16, SR, 4/6, MS-EDEN's amax pass): ``max |x|`` propagates NaN (and
+  is +inf for an inf), and the tensor scale of a non-finite amax is NaN
+  (:func:`~quant.format.tensor_scale`); a given (delayed) amax gives way to the tensor's own
+  when that is non-finite (:func:`amax_of`), so a finite delayed amax cannot saturate an inf
+  to ±6;
+* post hoc MS-EDEN: a group holding NaN or ±inf has a NaN corrected scale ``c`` (its ``x_s``
+  holds NaN, hence so do the EDEN sums), ``max(c)`` propagates NaN, and the power-of-two tensor
+  scale of a NaN ``max(c)`` is NaN (:func:`~quant.format.pow2_scale_for`).
+
+The codes and block scales of such a tensor carry no information: the kernels may store other
+bytes there than the reference (their min/max instructions treat NaN differently); the rule
+fixes the dequantized values and the NaN tensor scale, in the emulation and the packed form.
+
+An empty tensor (a dimension of size 0) quantizes to an empty result with tensor scale 1, as
+an all-zero tensor (the max of |x| over no elements is taken as 0), which is also what the
+kernels return: a quantized linear layer then takes a micro-batch of no tokens.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -64,13 +91,18 @@ def chunk_sum(v: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (a multiple of 16, one rotation chunk) in a fixed order: each
     16-group by :func:`tree_sum`, then the group sums by :func:`tree_sum`. (A kernel holding a
     group in one thread adds it there, then combines one number per group across threads.)"""
-    groups = tree_sum(v.reshape(*v.shape[:-1], -1, GROUP)).squeeze(-1)
+    groups = tree_sum(v.reshape(*v.shape[:-1], v.shape[-1] // GROUP, GROUP)).squeeze(-1)
     return tree_sum(groups)
 
 
 def amax_of(x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensor amax ``max |x|`` (float32), or the given (delayed) amax."""
-    return x.abs().amax().float() if amax is None else amax.float()
+    """The tensor amax ``max |x|`` (float32; NaN when ``x`` holds a NaN, 0 when ``x`` is empty),
+    or the given (delayed) ``amax`` unless ``x``'s own amax is NaN or +inf, which then wins (the
+    non-finite rule of the module docstring)."""
+    current = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+    if amax is None:
+        return current
+    return torch.where(current < math.inf, amax.float(), current)
 
 
 def stochastic_round_e2m1(v: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -224,10 +256,11 @@ def quantize_ms_eden(
         scale is needed yet (1 for an all-zero group; ``amax_b / v`` is taken at least 2^-126,
         FP32's smallest normal, so a group of subnormals gets a nonzero scale);
     3'. ``x_s = x_rot / s_p``; ``q = rtn(x_s)``, saturating at ±6;
-    4'. S as in step 4, ``c = s_p · S`` (0 for an all-zero group);
+    4'. S as in step 4, ``c = s_p · S`` (0 for an all-zero group, NaN for a group holding NaN
+        or ±inf);
     5'. align: ``s_t`` = the smallest power of two with ``max(c) / s_t ≤ 448`` over the tensor
-        (:func:`~quant.format.pow2_scale_for`), then ``sr(c / s_t)`` to an E4M3 neighbour as
-        in step 5 (``c / s_t`` is exact);
+        (:func:`~quant.format.pow2_scale_for`; NaN when ``max(c)`` is), then ``sr(c / s_t)`` to
+        an E4M3 neighbour as in step 5 (``c / s_t`` is exact);
     6'. ``x̂ = q · sr(c/s_t) · s_t``.
 
     Unbiased as MS-EDEN: ``E[sr(c/s_t)] · s_t = c``, so ``E[x̂] = q · s_p · S``, EDEN's corrected
@@ -259,15 +292,15 @@ def quantize_ms_eden(
         x_s = xg / (s_b * s_t)
     q = round_e2m1(x_s)
     per_chunk = chunk // GROUP
-    xs_c = x_s.reshape(*x_s.shape[:-2], -1, per_chunk * GROUP)
+    xs_c = x_s.reshape(*x_s.shape[:-2], x_s.shape[-2] // per_chunk, per_chunk * GROUP)
     q_c = q.reshape(xs_c.shape)
     num = chunk_sum(xs_c * xs_c)
     den = chunk_sum(xs_c * q_c)
     S = torch.where(den != 0, num / torch.where(den != 0, den, 1.0), 1.0)
     c = s_b.squeeze(-1) * S.repeat_interleave(per_chunk, -2).squeeze(-1)
     if posthoc:
-        c = torch.where(raw.squeeze(-1) > 0, c, 0.0)
-        s_t = pow2_scale_for(c.amax())
+        c = torch.where(raw.squeeze(-1) == 0, 0.0, c)
+        s_t = pow2_scale_for(amax_of(c))
         c = c / s_t
     scale = stochastic_round_e4m3(c, ug)
     return NVFP4Tensor(q=q.flatten(-2), block_scale=scale, tensor_scale=s_t, dim=dim)

@@ -1,9 +1,9 @@
 """The fused Triton quantizers (quant/kernels) against the pure-PyTorch reference, bit for bit.
 
-Without CUDA the kernels run under triton's CPU interpreter: ``TRITON_INTERPRET=1`` is set only
-while this module imports :mod:`quant.kernels` (the kernels are decorated then; the variable is
-restored at once so other test modules never see it), and the interpreter's fp8/bf16 conversion
-bugs are patched (:mod:`quant.kernels.interpreter`). With CUDA the same tests run on the GPU
+Without CUDA the kernels run under triton's CPU interpreter, in subprocesses that this module
+starts with ``TRITON_INTERPRET=1`` (``test_interpreter_subprocess``, one per group of tests, so
+the variable never reaches other test modules), with the interpreter's fp8/bf16 conversion bugs
+patched (:mod:`quant.kernels.interpreter`). With CUDA the same tests run on the GPU
 (``@pytest.mark.gpu``), the reference running on CPU copies of the inputs (the reference on CUDA
 divides by a Python constant through its reciprocal, see docs/performance.md).
 
@@ -23,8 +23,9 @@ import torch
 CUDA = torch.cuda.is_available()
 # Without CUDA the kernels run in triton's interpreter, which needs TRITON_INTERPRET=1 before
 # triton itself is first imported (its own @jit helpers such as tl.sum and tl.rand are decorated
-# at import). So this module re-runs itself in a subprocess with the variable set; in the parent
-# process only test_interpreter_subprocess runs (the variable never leaks into other modules).
+# at import). So this module re-runs itself in subprocesses with the variable set, one per group
+# of its tests (INTERPRETER_GROUPS); in the parent process only test_interpreter_subprocess runs
+# (the variable never leaks into other modules).
 INTERP_CHILD = os.environ.get("NVFP4_KERNEL_TESTS") == "interpreter"
 if not CUDA and not INTERP_CHILD:
     pytest.importorskip("triton")
@@ -55,24 +56,66 @@ pytestmark = [pytest.mark.gpu] if CUDA else []
 
 @pytest.fixture(autouse=True)
 def _only_where_kernels_run(request):
-    if not RUN_HERE and request.node.name != "test_interpreter_subprocess":
-        pytest.skip("runs in the interpreter subprocess (test_interpreter_subprocess)")
+    if not RUN_HERE and request.node.originalname != "test_interpreter_subprocess":
+        pytest.skip("runs in an interpreter subprocess (test_interpreter_subprocess)")
+
+
+INTERPRETER_GROUPS = {
+    "compiled_blocks": ["test_compiled_blocks_compile_once"],
+    "compiled": ["test_compiled_backward_reads_one_e", "test_compiled_blocks_keep_the_autocast_dtype",
+                 "test_function_compiles_as_one_graph"],
+    "gpu_tiles": ["test_gpu_tile_shapes"],
+    "tiles": ["test_tiles_per_program", "test_posthoc_sparse_fixes", "test_shared_eden_draws",
+              "test_non_finite_posthoc_rewrites_every_program"],
+    "function": ["test_function_matches_reference", "test_function_non_finite_matches_reference",
+                 "test_function_philox_draws_deterministic", "test_philox_stream_on_both_paths",
+                 "test_saved_packed_operand_roundtrip"],
+    "rest": [],
+}
+"""The groups of this module's tests that the interpreter runs, one subprocess each (by test
+function; ``rest`` is every test not named in another group), so that no parent test runs for
+more than a few minutes."""
+
+INTERPRETER_TIMEOUT_S = {"compiled_blocks": 300, "compiled": 300, "gpu_tiles": 240, "tiles": 180,
+                         "function": 180, "rest": 180}
+"""Each group's timeout, at least 4× its time on a quiet 2-core machine: 75, 65, 44, 26, 31 and
+34 s in the order above (276 s for the six)."""
+
+
+def _group_tests(group: str) -> list[str]:
+    """The test functions of an interpreter group: its list, or for ``rest`` every test function
+    of this module that no other group names (so that each runs in exactly one group)."""
+    named = [t for g, tests in INTERPRETER_GROUPS.items() if g != "rest" for t in tests]
+    tests = {n for n, f in globals().items() if n.startswith("test_") and callable(f)}
+    tests.discard("test_interpreter_subprocess")
+    unknown = sorted(set(named) - tests)
+    assert not unknown, f"INTERPRETER_GROUPS names tests that do not exist: {unknown}"
+    assert len(named) == len(set(named)), "a test is in two INTERPRETER_GROUPS"
+    return INTERPRETER_GROUPS[group] or sorted(tests - set(named))
 
 
 @pytest.mark.skipif(RUN_HERE, reason="the parent of the interpreter run")
-def test_interpreter_subprocess():
-    """Every test of this module, bit-exact, on CPU under triton's interpreter (a subprocess)."""
+@pytest.mark.parametrize("group", list(INTERPRETER_GROUPS))
+def test_interpreter_subprocess(group):
+    """One group of this module's tests (:data:`INTERPRETER_GROUPS`), bit-exact, on CPU under
+    triton's interpreter, in a subprocess. The child runs torch on one thread
+    (``OMP_NUM_THREADS=1``): the interpreter's work is single-threaded numpy and small torch
+    ops, which a second intra-op thread does not speed up and which, on a host whose cores are
+    busy, it slowed down a hundredfold (a 37k-element compare: 12 ms against 0.05 ms)."""
     import subprocess
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, TRITON_INTERPRET="1", NVFP4_KERNEL_TESTS="interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1", NVFP4_KERNEL_TESTS="interpreter", OMP_NUM_THREADS="1")
     env.pop("NVFP4_BACKEND", None)
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        str(Path(__file__).resolve())], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=900)
+    here = Path(__file__).resolve()
+    ids = [f"{here}::{name}" for name in _group_tests(group)]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *ids],
+                       cwd=here.parents[1], env=env, capture_output=True, text=True,
+                       timeout=INTERPRETER_TIMEOUT_S[group])
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
 SHAPES = [(48, 160), (144, 256)]
 
 
@@ -501,6 +544,113 @@ def test_zero_tensor():
     _check(K.rtn(x.to(DEV)), quantize_rtn(x))
 
 
+def _dequantized(out, posthoc=False):
+    """The kernel op's dequantized ``A``: ``values · s_t`` (post hoc: the values carry s_t)."""
+    values, st = out[0].cpu().float(), out[3].cpu()
+    return values if posthoc else values * st
+
+
+def _same_or_both_nan(a, b) -> bool:
+    """Whether ``a`` and ``b`` are NaN at the same places and bit-identical elsewhere."""
+    na, nb = a.isnan(), b.isnan()
+    return torch.equal(na, nb) and torch.equal(_bits(a)[~na], _bits(b)[~nb])
+
+
+def _non_finite_cases(x):
+    """(name, kernel output, reference NVFP4Tensor, reference amax or None, post hoc) for every
+    kernel quantizer on ``x``."""
+    g = torch.Generator().manual_seed(70)
+    signs = random_signs(128, g, "cpu")
+    u = torch.rand(x.shape, generator=g)
+    ug = torch.rand(x.shape[0], x.shape[1] // 16, generator=g)
+    ugt = torch.rand(x.shape[1], x.shape[0] // 16, generator=g)
+    xr, s32 = rotate(x, signs), signs[:32].contiguous()
+    d, sd, s32d = x.to(DEV), signs.to(DEV), s32.to(DEV)
+    prev = torch.tensor(2.5)  # a finite delayed amax must not hide the non-finite input
+    yield "rtn", K.rtn(d), quantize_rtn(x), x.abs().amax(), False
+    yield "rtn cols", K.rtn(d, True), quantize_rtn(x.t()), x.abs().amax(), False
+    yield "rtn 4/6", K.rtn(d, False, True), quantize_rtn(x, four_over_six=True), x.abs().amax(), False
+    yield ("rtn delayed", K.rtn(d, False, False, prev.to(DEV)), quantize_rtn(x, amax=prev),
+           x.abs().amax(), False)
+    yield "rtn 16x16 4/6", K.rtn_2d(d, False, True), quantize_rtn_2d(x, four_over_six=True), None, False
+    yield "sr 4/6", K.sr(d, False, u.to(DEV), None, True), quantize_sr(x, u, four_over_six=True), None, False
+    yield ("rht32 sr", K.rht_sr(d, s32d, False, u.to(DEV), None, None, True),
+           quantize_sr(rotate(x, s32), u), rotate(x, s32).abs().amax(), False)
+    yield "rht rtn", K.rht_rtn(d, sd, False, None, True), quantize_rtn(xr), xr.abs().amax(), False
+    yield ("ms_eden", K.rht_ms_eden(d, sd, False, ug.to(DEV), None, None, True),
+           quantize_ms_eden(xr, ug), xr.abs().amax(), False)
+    for pack in (True, False):
+        yield (f"ms_eden posthoc pack={pack}",
+               K.rht_ms_eden(d, sd, False, ug.to(DEV), None, None, pack, posthoc=True),
+               quantize_ms_eden(xr, ug, posthoc=True), None, True)
+    yield ("ms_eden posthoc cols", K.rht_ms_eden(d, sd, True, ugt.to(DEV), None, None, False, posthoc=True),
+           quantize_ms_eden(rotate(x.t(), signs), ugt, posthoc=True), None, True)
+    # a saved operand whose tensor scale is NaN (X̂ of an X holding the non-finite value)
+    p = quantize_rtn(x, four_over_six=True).pack()
+    a = (p.unpack().scaled_values() * p.tensor_scale).t()
+    out = K.quantize_operand(p.data.to(DEV), p.scales.view(torch.uint8).to(DEV), kops.SRC_PACKED, True,
+                             p.tensor_scale.to(DEV), sd, None, ugt.to(DEV), None, 0, "ms_eden", False,
+                             True, True, True)
+    yield "packed source ms_eden", out, quantize_ms_eden(rotate(a, signs), ugt, posthoc=True), None, True
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=str)
+def test_non_finite_inputs(bad):
+    """One NaN or inf in the operand (the non-finite rule of ``quant.quantizers``): every kernel
+    quantizer, on rows, columns and packed sources, with and without post hoc alignment or a
+    delayed amax, dequantizes to NaN in every element with a NaN tensor scale, as the reference;
+    the amax output is the reference's (NaN, or inf unrotated). (The codes and block scales of
+    such a tensor are unspecified.)"""
+    x = _data((128, 256), seed=71)
+    x[7, 100] = bad
+    for name, out, ref, ref_amax, posthoc in _non_finite_cases(x):
+        assert torch.isnan(ref.tensor_scale) and torch.isnan(ref.dequantize()).all(), name
+        assert torch.isnan(out[3].cpu()), name
+        assert torch.isnan(_dequantized(out, posthoc)).all(), name
+        if ref_amax is not None:
+            assert _same_or_both_nan(out[4].cpu(), ref_amax), (name, out[4], ref_amax)
+
+
+def test_non_finite_posthoc_rewrites_every_program(monkeypatch):
+    """Post hoc alignment with a NaN in one first-pass program only: the align pass (with and
+    without the packed form's scales) rewrites the values of every program to NaN. 16×256 in
+    4×128 tiles, 5 tiles per program: two first-pass programs, the NaN in the second; one
+    minimum per align program, so the first align program fixes a program with no NaN."""
+    monkeypatch.setattr(kops, "_TILES_OVERRIDE", 5)
+    monkeypatch.setattr(kops, "_ALIGN_MINIMA", (1, 1))
+    if not CUDA:
+        monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
+    x = _data((16, 256), seed=72)
+    x[13, 200] = math.nan
+    signs = random_signs(128, torch.Generator().manual_seed(73), "cpu")
+    u = torch.rand(16, 16, generator=torch.Generator().manual_seed(74))
+    for pack in (False, True):
+        out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, u.to(DEV), None, None, pack, posthoc=True)
+        assert torch.isnan(out[3].cpu()) and torch.isnan(_dequantized(out, True)).all(), pack
+
+
+@pytest.mark.parametrize("shape", [(0, 256), (48, 0)], ids=str)
+def test_empty_operands(shape):
+    """Empty operands give the reference's empty results (tensor scale 1, as an all-zero
+    tensor) on every quantizer, rows and columns."""
+    x = torch.randn(shape)
+    signs = random_signs(16, torch.Generator().manual_seed(75), "cpu")
+    for t in (False, True):
+        a = _logical(x, t)
+        u, ug = torch.rand(a.shape), torch.rand(a.shape[0], a.shape[1] // 16)
+        d = x.to(DEV)
+        cases = [(K.rtn(d, t, True), quantize_rtn(a, four_over_six=True), False),
+                 (K.sr(d, t, u.to(DEV)), quantize_sr(a, u), False),
+                 (K.rht_rtn(d, signs.to(DEV), t, None, True), quantize_rtn(rotate(a, signs)), False),
+                 (K.rtn_2d(d, t), quantize_rtn_2d(a), False)]
+        for posthoc in (False, True):
+            cases.append((K.rht_ms_eden(d, signs.to(DEV), t, ug.to(DEV), None, None, True, posthoc=posthoc),
+                          quantize_ms_eden(rotate(a, signs), ug, chunk=16, posthoc=posthoc), posthoc))
+        for out, ref, posthoc in cases:
+            _check(out, ref, posthoc=posthoc)
+            assert out[0].shape == a.shape and ref.tensor_scale.item() == 1.0
+
+
 def test_fake_tensor_support():
     """The ops work on fake tensors (what torch.compile traces with)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -573,6 +723,36 @@ def test_function_matches_reference(name, kw):
     for r, o, what in zip(ref, out, ("y", "dx", "dw")):
         assert r.dtype == o.dtype, what
         assert torch.equal(_bits(r), _bits(o)), f"{name}: {what} differs"
+
+
+@pytest.mark.parametrize("name", ["nvidia", "quartet2"])
+@pytest.mark.parametrize("where", ["nan_in_e", "inf_in_x"])
+def test_function_non_finite_matches_reference(name, where):
+    """QuantizedLinearFunction with backend=triton (same uniforms) puts non-finite values where
+    backend=reference does (here: everywhere a quantized GEMM reads the bad tensor; dX, which
+    does not read X, stays finite and bit-identical), for a NaN in the upstream gradient and an
+    inf in X: nvidia (SR, 16×16 Ŵ saved packed, RHT16 + RTN of the saved X) and quartet2 (4/6,
+    post hoc MS-EDEN, X̂ and Ŵ saved packed)."""
+    if CUDA:
+        pytest.skip("bit-exact Function comparison runs on CPU (see test_function_matches_reference)")
+    scheme = quant.get_scheme(name)
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(128, 128, generator=g)
+    w = torch.randn(128, 128, generator=g) * 0.05
+    dy = torch.randn(128, 128, generator=g)
+    if where == "nan_in_e":
+        dy[3, 7] = math.nan
+    else:
+        x[3, 5] = math.inf
+    with backend.use_backend("reference"):
+        ref = _run_linear(scheme, x, w, dy, False)
+    with backend.use_backend("triton", draws="torch"):
+        out = _run_linear(scheme, x, w, dy, False)
+    for r, o, what in zip(ref, out, ("y", "dx", "dw")):
+        assert _same_or_both_nan(r, o), f"{name}: {what} differs"
+    finite = {"nan_in_e": (True, False, False), "inf_in_x": (False, True, False)}[where]
+    for t, fin in zip(out, finite):
+        assert bool(torch.isfinite(t).all()) == fin and (fin or bool(t.isnan().all()))
 
 
 def test_philox_stream_on_both_paths():

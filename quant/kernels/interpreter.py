@@ -7,6 +7,11 @@ touches fp8e4nv or bf16 through torch (whose casts round to nearest even and, wi
 kernels apply first, saturate like the GPU), upcasts bf16 dot operands, and computes float32
 FMAs with one rounding (:func:`_fma32`). It only touches private interpreter APIs, hence the
 pinned triton version; it is a no-op when the interpreter is not in use.
+
+Two more replacements only save time, computing what the interpreter computes: it re-patched
+``triton.language`` on every call of a ``@triton.jit`` helper inside a kernel (``_patch_lang``,
+an ``inspect.getmembers`` scan of the language modules: a fifth of the interpreter's time in
+the kernel tests), and it rebuilt a table of numpy dtypes on every lookup (``_get_np_dtype``).
 """
 
 from __future__ import annotations
@@ -70,7 +75,59 @@ def patch_interpreter() -> None:
         return interp.TensorHandle(_fma32(x.data, y.data, z.data), tl.float32)
 
     builder.create_fma = fma
+    _patch_lang_once_per_launch(interp, tl)
+    _lookup_np_dtypes_in_one_table(interp, tl)
     _PATCHED = True
+
+
+def _patch_lang_once_per_launch(interp, tl) -> None:
+    """``interp._patch_lang(fn)`` patches the language modules that ``fn``'s globals hold (``tl``,
+    ``tl.core``). A launch calls it for its kernel and restores the patch when it ends; every call
+    of a jit helper inside the kernel calls it again for the helper (and never restores that),
+    scanning the modules anew although the launch has patched them already. Now a helper's call
+    patches only modules that the running launch has not patched yet (triton's own helpers see
+    ``tl.core``), as the original does, and skips the scan otherwise."""
+    original = interp._patch_lang
+    patched: set[int] = set()  # ids of the modules patched since the running launch began
+
+    def patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if patched and langs <= patched:
+            return interp._LangPatchScope()
+        launch = not patched
+        scope = original(fn)
+        patched.update(langs)
+        if launch:
+            restore = scope.restore
+
+            def restore_and_forget():
+                restore()
+                patched.clear()
+
+            scope.restore = restore_and_forget
+        return scope
+
+    interp._patch_lang = patch_lang
+
+
+def _lookup_np_dtypes_in_one_table(interp, tl) -> None:
+    """``interp._get_np_dtype``, which builds its table of numpy dtypes on each call, with the
+    table's entries kept after their first lookup (by scalar dtype: block types and pointer
+    types are not hashable)."""
+    original = interp._get_np_dtype
+    table: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return original(tt_dtype)
+        found = table.get(tt_dtype)
+        if found is None:
+            found = table[tt_dtype] = original(tt_dtype)
+        return found
+
+    interp._get_np_dtype = get_np_dtype
 
 
 def _fma32(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:

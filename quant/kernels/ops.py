@@ -16,8 +16,10 @@ transposed on chip by the quantization kernel or, on the GPU, by one transpose p
   which delayed-amax callers store for the next call (with ``posthoc``, MS-EDEN's post hoc range
   alignment: the largest corrected scale instead).
 
-``amax`` (optional input) is the delayed amax of the previous call: it is used when positive,
-else the current amax is (as ``quant.linear._amax``). Stochastic quantizers take either explicit
+``amax`` (optional input) is the delayed amax of the previous call: it is used when positive and
+finite and the current amax is finite, else the current amax is (as ``quant.linear._amax`` and
+``quant.quantizers.amax_of``: a NaN or ±inf in ``A`` makes the whole result NaN, the non-finite
+rule of :mod:`quant.quantizers`). Stochastic quantizers take either explicit
 ``uniforms`` (SR: shape of ``A``; MS-EDEN: ``M × K/16``) or a ``seed`` (int64 tensor of one
 element, the Philox key) and a ``stream`` number (Philox draws, see
 :mod:`quant.kernels.triton_kernels`). :func:`philox_uniforms` returns exactly the draws the
@@ -464,7 +466,11 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     else:
         current = (amax.to(torch.float32, copy=True) if amax is not None  # an output: no alias
                    else _amax_impl(x, x_scales, src, transpose, in_scale, signs))
-        amax = current if prev_amax is None else torch.where(prev_amax > 0, prev_amax.float(), current)
+        if prev_amax is not None:  # as quant.linear._amax and quant.quantizers.amax_of
+            prev = prev_amax.float()
+            amax = torch.where((prev > 0) & (torch.maximum(prev, current) < math.inf), prev, current)
+        else:
+            amax = current
     vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
     val = torch.empty(vshape, dtype=torch.bfloat16, device=dev)
     codes = torch.empty(cshape, dtype=torch.uint8, device=dev)

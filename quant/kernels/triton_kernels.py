@@ -33,6 +33,14 @@ Bit-exactness rules (the reference is the contract):
 * values are clamped to 448 before every E4M3 cast;
 * constants are passed already rounded to FP32 (as torch rounds a Python float divisor).
 
+Non-finite inputs follow the rule of :mod:`quant.quantizers` (a NaN or ±inf anywhere in ``A``
+makes the whole quantized tensor NaN through a NaN tensor scale): the tensor-wide maxima, the
+amax and post hoc MS-EDEN's ``max(c)``, are integer maxima of FP32 bit patterns
+(:func:`_abs_bits`), which keep NaN on every backend (``tl.max`` of floats drops it, on the GPU
+and in the interpreter alike; :func:`_group_scales` says why the groups' maxima need not); the
+tensor scale of a non-finite amax or ``max(c)`` is NaN; and the post hoc align pass then
+rewrites every value of the tensor (:func:`_align_tile`).
+
 Random draws: explicit uniforms (``RAND=0``, for tests: the layout of the logical operand, one
 per element for SR and one per 16-group for MS-EDEN) or Philox (``RAND=1``) with key ``seed``
 (an int64 scalar read from memory, the step key of :mod:`quant.randomness`) and the stream
@@ -58,6 +66,22 @@ MODE_SR = 1
 MODE_EDEN = 2
 
 _POS_INF = tl.constexpr(float("inf"))
+
+
+@triton.jit
+def _nan_unless(ok, v):
+    """``v`` where ``ok``, else NaN (made from its bit pattern: a NaN constant as a global would
+    fail triton's check that a kernel's globals are unchanged since its compilation, NaN ≠ NaN)."""
+    return tl.where(ok, v, tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _abs_bits(v):
+    """The int32 bit pattern of FP32 ``|v|``: non-negative patterns order as the values do and
+    every NaN's lies above +inf's, so an integer max of them is ``max |v|`` that keeps NaN
+    (``tl.max`` of floats and ``tl.maximum`` drop NaN on the GPU, whose max instruction returns
+    the other operand). Back to FP32 by ``.to(tl.float32, bitcast=True)``."""
+    return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
@@ -288,11 +312,12 @@ def _round_mantissa3(v):
 @triton.jit
 def _pow2_scale_448(c_max):
     """``quant.format.pow2_scale_for(c_max, 448)``: the smallest power of two s with
-    ``c_max / s ≤ 448 = 1.75·2^8`` (1 when c_max is 0)."""
+    ``c_max / s ≤ 448 = 1.75·2^8`` (1 when c_max is 0, NaN when it is NaN or +inf)."""
     b = c_max.to(tl.int32, bitcast=True)
     k = ((b >> 23) - 135) + ((b & 0x7FFFFF) > 0x600000).to(tl.int32)
     k = tl.maximum(k, -126)
-    return tl.where(c_max > 0, ((k + 127) << 23).to(tl.float32, bitcast=True), 1.0)
+    s = tl.where(c_max > 0, ((k + 127) << 23).to(tl.float32, bitcast=True), 1.0)
+    return _nan_unless(c_max < _POS_INF, s)
 
 
 @triton.jit
@@ -633,14 +658,15 @@ def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, s
                 GROUPS: tl.constexpr, TILES: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """``amax_ptr[0] = max(amax_ptr[0], max |A|)`` over this program's tiles (amax_ptr starts
-    at 0; TILES consecutive tiles per program as :func:`quant_kernel`). The rotation's ``1/√h``
+    at 0; TILES consecutive tiles per program as :func:`quant_kernel`; NaN when a tile holds
+    NaN, by the maximum of bit patterns, :func:`_abs_bits`). The rotation's ``1/√h``
     multiplies the maximum instead of every element: rounding is monotone, so
     ``max |RN(y/√h)| = RN(max |y| / √h)``."""
     sgm = _sign_masks(signs_ptr, ROT, BM, CH, R)
     if TILES > 1:
         n_k = tl.cdiv(K, CH * R * 16)
         first = tl.program_id(0) * TILES
-        amax = 0.0
+        amax = 0
         pm = first // n_k
         pk = first % n_k
         for t in tl.range(first, tl.minimum(first + TILES, tl.cdiv(M, BM) * n_k)):
@@ -652,7 +678,7 @@ def amax_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, M, K, stride_m, s
         amax = _tile_absmax(x_ptr, sgm, xs_ptr, scale_ptr, tl.program_id(0), tl.program_id(1), M,
                             K, stride_m, stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, EVEN, GROUPS, BM,
                             CH, R, LOG_R)
-    _atomic_max_nonneg(amax_ptr, amax * INV_SQRT)
+    _atomic_max_nonneg(amax_ptr, amax.to(tl.float32, bitcast=True) * INV_SQRT)
 
 
 @triton.jit
@@ -660,12 +686,13 @@ def _tile_absmax(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, M, K, stride_m, st
                  SRC: tl.constexpr, COLS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  ROT: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
-    """``max |A_tile|`` of one tile, rotated without the ``1/√h`` (:func:`amax_kernel`)."""
+    """``max |A_tile|`` of one tile, rotated without the ``1/√h`` (:func:`amax_kernel`), as its
+    int32 bit pattern (:func:`_abs_bits`: NaN kept)."""
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
                    stride_k, P_C, SRC, COLS, HAS_SCALE, ROT, 1.0, EVEN, GROUPS, BM, CH, R, LOG_R,
                    True)
-    return tl.max(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), axis=0)
+    return tl.max(tl.max(tl.max(tl.max(_abs_bits(x), axis=3), axis=2), axis=1), axis=0)
 
 
 @triton.jit
@@ -682,7 +709,16 @@ def _round_e2m1(v, u, MODE: tl.constexpr):
 @triton.jit
 def _group_scales(v, TILE2D: tl.constexpr):
     """Per scale group of a ``[BM, CH, R, 16]`` tile: over the 16 (1×16, ``[BM, CH, R]``) or over
-    the 16×16 tile (``TILE2D``: BM = 16, ``[1, CH, R]``) — here the max."""
+    the 16×16 tile (``TILE2D``: BM = 16, ``[1, CH, R]``) — here the max.
+
+    A float max, which drops NaN (the GPU's max instruction returns the other operand), suffices
+    for the non-finite rule of ``quant.quantizers``: with a tensor scale, a NaN or ±inf in the
+    tensor makes the amax and so the scale NaN whatever the groups' maxima (:func:`amax_kernel`
+    keeps NaN); post hoc MS-EDEN always rotates, and the Hadamard transform makes every element
+    of a chunk with a NaN or ±inf input non-finite, so each of its groups has a non-finite max.
+    (Its abs then stays an operand modifier of the max instruction: the bit-pattern maximum,
+    :func:`_abs_bits`, made RTN + 4/6 of 16384×4096 rows 4% slower on the H200, 190.5 → 198.7
+    µs.)"""
     g = tl.max(v, axis=3)
     if TILE2D:
         g = tl.expand_dims(tl.max(g, axis=0), 0)
@@ -753,7 +789,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     if TILES > 1:  # a 1-D grid over groups of TILES tiles
         n_k = tl.cdiv(K, CH * R * 16)
         first = tl.program_id(0) * TILES
-        cmax = 0.0
+        cmax = 0
         cmin = _POS_INF
         last = tl.minimum(first + TILES, tl.cdiv(M, BM) * n_k)
         pm = first // n_k
@@ -803,7 +839,7 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
         # max(c), and the program's least positive c for the align pass, which fixes only the
         # tiles of programs whose minimum needs it. (Per tile, as scalars: carrying per-group
         # maxima across the tiles instead took 94 registers against 72.)
-        _atomic_max_nonneg(amax_ptr, cmax)
+        _atomic_max_bits(amax_ptr, cmax)
         prog = tl.program_id(0)
         if TILES == 1:
             prog = prog * tl.num_programs(1) + tl.program_id(1)
@@ -821,10 +857,10 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
                 POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr,
                 PRE: tl.constexpr = False, lo=0, hi=0, U_PRE: tl.constexpr = False, u_pre=0.0):
-    """One tile of :func:`quant_kernel`; returns its largest and least positive corrected scales
-    (POSTHOC; else 0 and +inf). ``U_PRE``: MS-EDEN's group draws are ``u_pre``, drawn by the
-    program (its ``SHARED_U``)."""
-    cmax = 0.0
+    """One tile of :func:`quant_kernel`; returns its largest corrected scale, as its bit pattern
+    (:func:`_abs_bits`: NaN kept), and its least positive one (POSTHOC; else 0 and +inf).
+    ``U_PRE``: MS-EDEN's group draws are ``u_pre``, drawn by the program (its ``SHARED_U``)."""
+    cmax = 0
     cmin = _POS_INF
     m, k = _tile_index(pid_m, pid_k, BM, CH, R)
     x = _load_tile(x_ptr, sgm, xs_ptr, scale_ptr, pid_m, pid_k, m, k, M, K, stride_m,
@@ -838,6 +874,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
     else:
         amax = tl.load(amax_ptr)
         s_t = tl.where(amax > 0, tl.math.div_rn(amax, T_TENSOR), 1.0)
+        s_t = _nan_unless(amax < _POS_INF, s_t)  # a non-finite amax: NaN (``tensor_scale``)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(st_ptr, s_t)
         raw = tl.math.div_rn(tl.math.div_rn(_group_scales(tl.abs(x), TILE2D), T_BLOCK), s_t)
@@ -894,8 +931,9 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
         S = tl.where(den != 0, tl.math.div_rn(num, tl.where(den != 0, den, 1.0)), 1.0)
         c = s_out * S
         if POSTHOC:
-            c = tl.where(raw > 0, c, 0.0)
-            cmax = tl.max(tl.max(tl.max(c, axis=2), axis=1), axis=0)
+            # 0 for an all-zero group; NaN for a group holding NaN or ±inf (its x_s holds NaN)
+            c = tl.where(raw == 0, 0.0, c)
+            cmax = tl.max(tl.max(tl.max(_abs_bits(c), axis=2), axis=1), axis=0)
             cmin = tl.min(tl.min(tl.min(tl.where(c > 0, c, _POS_INF), axis=2), axis=1), axis=0)
             # sr(c / s_t) · s_t, wherever the align pass finds it exact; the align pass reads it
             # back instead of drawing again
@@ -974,7 +1012,8 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
         mins = c_ptr + 2 * M * (K // 16)
         p = tl.program_id(0) * V + tl.arange(0, V)
         cmin = tl.load(mins + p, mask=p < n_prog, other=_POS_INF)
-        fix = _needs_fix(cmin, tl.math.div_rn(cmin, s_t))
+        # a NaN s_t (the input held NaN or ±inf): every program's values become NaN
+        fix = tl.where(s_t != s_t, p < n_prog, _needs_fix(cmin, tl.math.div_rn(cmin, s_t)))
         n_k = tl.cdiv(K // 16, Q_G)
         n_tiles = tl.cdiv(M, Q_BM) * n_k
         shape: tl.constexpr = (Q_T, Q_BM, Q_G)
@@ -1007,7 +1046,8 @@ def _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M, K
                 BM: tl.constexpr, G: tl.constexpr, EAGER: tl.constexpr = False):
     """:func:`eden_align_kernel`'s E4M3 scale bits (SCALES) and fixed values of one tile.
     EAGER (a tile known to hold groups to fix): the key, c and the values are loaded with the
-    rounded scales, not after them, so that the loads' latencies overlap."""
+    rounded scales, not after them, so that the loads' latencies overlap. A NaN ``s_t`` (the
+    tensor held NaN or ±inf) fixes every group: its values become ``(q · s) · s_t``, NaN."""
     r = tl.load(c_ptr + M * (K // 16) + gm * (K // 16) + g, mask=gmask, other=0.0)
     gm3 = tl.expand_dims(gm, 2)
     k = tl.expand_dims(g, 2) * 16 + tl.arange(0, 16)[None, None, :]
@@ -1019,20 +1059,22 @@ def _align_tile(c_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, s_t, gm, g, gmask, M, K
     bits = _e4m3_bits(tl.math.div_rn(r, s_t))  # exact: r / s_t is on E4M3's grid, at most 448
     # A superset of the groups to fix (``r = sr_m3(c)`` is monotone in c, and 2^-6 · s_t and
     # 2^-123 lie on c's grid, so c below either gives r at most it); their c decides.
+    nan_t = s_t != s_t
     maybe = ((r <= 0.015625 * s_t) | (r <= 9.4039548065783e-38)) & gmask  # 2^-6, 2^-123
+    maybe = tl.where(nan_t, gmask, maybe)
     if tl.max(tl.max(maybe.to(tl.int32), axis=1), axis=0) > 0:
         if not EAGER:
             seed = _load_key(seed_ptr, RAND)
             c = tl.load(c_ptr + gm * (K // 16) + g, mask=maybe, other=0.0)
         c_t = tl.math.div_rn(c, s_t)
-        fix = maybe & (c > 0) & _needs_fix(c, c_t)
+        fix = tl.where(nan_t, maybe, maybe & (c > 0) & _needs_fix(c, c_t))
         s, fix_bits = _sr_e4m3(c_t, _group_uniforms(u_ptr, seed, stream, gm, g, fix, K, RAND))
         bits = tl.where(fix, fix_bits, bits)
         if FIX_VALUES:
             fix3 = tl.expand_dims(fix, 2)
-            # q is the first pass's value over its scale r (positive in every group to fix),
-            # exactly: q · r has at most 6 significant bits and is at least 2^-127, so it was
-            # stored exactly in BF16
+            # q is the first pass's value over its scale r (positive in every group to fix
+            # but under a NaN s_t, which makes v NaN anyway), exactly: q · r has at most 6
+            # significant bits and is at least 2^-127, so it was stored exactly in BF16
             if not EAGER:
                 old = tl.load(val_ptr + gm3 * K + k, mask=fix3, other=0.0)
             q = tl.math.div_rn(old.to(tl.float32), tl.expand_dims(tl.where(fix, r, 1.0), 2))
