@@ -72,19 +72,6 @@ class Interrupted(Exception):
     """The run checkpointed on Ctrl-C and stops; the message says how to resume."""
 
 
-def scheme_from_config(qcfg: DictConfig) -> quant.Scheme:
-    return quant.get_scheme(
-        qcfg.name,
-        forward=qcfg.forward,
-        backward=qcfg.backward,
-        rotation=qcfg.rotation,
-        four_over_six=qcfg.four_over_six,
-        sr_four_over_six=qcfg.sr_four_over_six,
-        delayed_amax=qcfg.delayed_amax,
-        range_alignment=qcfg.range_alignment,
-    )
-
-
 def skip_patterns(qcfg: DictConfig, n_layer: int) -> list[str]:
     patterns = list(qcfg.skip)
     if qcfg.get("keep_edge_blocks"):
@@ -211,7 +198,7 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
 
     # Model: built on meta, block linears swapped for the scheme's, parallelized, then materialized.
     model = build_model(cfg.model, device="meta")
-    scheme = scheme_from_config(cfg.quant)
+    scheme = quant.scheme_from_config(cfg.quant)
     quant.quantize_model(model, scheme, skip=skip_patterns(cfg.quant, cfg.model.n_layer))
     n_params = model.num_params(non_embedding=True)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)

@@ -5,9 +5,11 @@ See docs/spec.md (§1 format, §2 quantizers, §3 schemes) for the numerical con
 
 from .linear import QuantLinear, edge_block_patterns, quantize_model, quantized_linear
 from .randomness import quant_step, set_quant_rng, set_quant_step
-from .schemes import SCHEMES, Gemm, Operand, Scheme, get_scheme
+from .schemes import ABLATIONS, LAYER_KEYS, SCHEMES, Gemm, Operand, Scheme, get_scheme, scheme_from_config
 
 __all__ = [
+    "ABLATIONS",
+    "LAYER_KEYS",
     "QuantLinear",
     "SCHEMES",
     "Gemm",
@@ -18,6 +20,7 @@ __all__ = [
     "quant_step",
     "quantize_model",
     "quantized_linear",
+    "scheme_from_config",
     "set_quant_rng",
     "set_quant_step",
 ]

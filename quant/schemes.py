@@ -21,7 +21,10 @@ Function (:mod:`quant.linear`) executes any scheme, so a new scheme is a new ent
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .hadamard import check_rotation_size
 
@@ -229,3 +232,33 @@ def get_scheme(
     if not backward:
         dgrad, wgrad = _without_quantization(dgrad), _without_quantization(wgrad)
     return replace(s, forward=fwd, dgrad=dgrad, wgrad=wgrad, delayed_amax=delayed_amax)
+
+
+ABLATIONS: dict[str, Any] = {
+    name: p.default for name, p in inspect.signature(get_scheme).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
+"""The ablation switches of :func:`get_scheme` (SPEC §3) and their defaults, which leave a named
+scheme as :data:`SCHEMES` defines it."""
+
+LAYER_KEYS = ("skip", "keep_edge_blocks")
+"""Keys of a quant config (configs/quant/) that choose which layers get the scheme, not the scheme:
+read by the trainer (``train.skip_patterns``, :func:`quant.edge_block_patterns`)."""
+
+
+def scheme_from_config(cfg: Mapping[str, Any]) -> Scheme:
+    """The scheme a quant config (e.g. ``cfg.quant`` of configs/train.yaml) describes.
+
+    ``cfg["name"]`` names one of :data:`SCHEMES`; every other key is an ablation switch of
+    :func:`get_scheme` (see :data:`ABLATIONS`; a missing one keeps its default) or one of
+    :data:`LAYER_KEYS`, which this ignores. Any other key is refused with a ValueError naming it
+    and the accepted keys.
+    """
+    accepted = ("name", *ABLATIONS, *LAYER_KEYS)
+    unknown = [k for k in cfg if k not in accepted]
+    if unknown:
+        raise ValueError(f"unknown quant config key(s) {', '.join(map(repr, unknown))}; "
+                         f"accepted: {', '.join(accepted)}")
+    if "name" not in cfg:
+        raise ValueError(f"a quant config needs a scheme name: name: one of {list(SCHEMES)}")
+    return get_scheme(cfg["name"], **{k: cfg[k] for k in ABLATIONS if k in cfg})

@@ -7,23 +7,20 @@ For each block projection of a preset (fused QKV, attention output, fused up+gat
 16384 tokens: BF16 autocast, BF16 activations, FP32 master weight (as in training), time of
 ``y = layer(x); y.backward(dy)`` (median of CUDA-event timings). The ``bf16`` row is a plain
 ``nn.Linear``; the others are ``QuantLinear`` on the kernel backend (quant.backend ``auto``).
-Prints per-shape times, the per-preset sum and its ratio to BF16.
+Prints per-shape times, the per-preset sum and its ratio to BF16. Without the project installed
+(a bare GPU box), run it from the repository root as ``python -m scripts.bench_linear``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import quant  # noqa: E402
-from quant.linear import QuantLinear  # noqa: E402
+import quant
+from quant.linear import QuantLinear
 
 PRESETS = {  # d_model, mlp_hidden: (in, out) of qkv, proj, up_gate, down
     "100m": (1024, 2816),

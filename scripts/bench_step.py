@@ -23,7 +23,9 @@ last warm-up step (never a graph replay, whose host ranges the profiler cannot s
 each quantization of the fused kernels its own row, named after its operand: quantizer, source,
 rows or columns, shape, with its kernels' device time (the align pass and fills included).
 Prints a markdown table: median step time, tokens/s, MFU against the measured or given BF16
-peak, peak memory, and the ratio to the first scheme with the same settings. Needs only torch and PyYAML (no Hydra), so it runs on a bare GPU box.
+peak, peak memory, and the ratio to the first scheme with the same settings. Needs only torch and
+PyYAML (no Hydra), so it runs on a bare GPU box; without the project installed, run it from the
+repository root as a module: ``python -m scripts.bench_step ...`` (``torchrun ... -m scripts.bench_step``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,14 +40,12 @@ from pathlib import Path
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import quant  # noqa: E402
-from model import build_model  # noqa: E402
-from model.parallel import COMPILE_MODES, materialize, parallelize, replays_cuda_graphs  # noqa: E402
-from scripts.cuda_graph import capture  # noqa: E402
-from training.metrics import bf16_peak_flops  # noqa: E402
-from training.optim import build_adamw  # noqa: E402
+import quant
+from model import build_model
+from model.parallel import COMPILE_MODES, materialize, parallelize, replays_cuda_graphs
+from scripts.cuda_graph import capture
+from training.metrics import bf16_peak_flops
+from training.optim import build_adamw
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,7 +114,7 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
         profile_step(graph.replay if graph is not None else step, device, args.profile)
     med = statistics.median(times)
     tokens = args.batch * args.seq
-    del model, opt
+    model = opt = None  # frees them: step() holds the same cells
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"ms": med * 1e3, "tps": tokens / med, "flops": flops_per_token * tokens / med, "mem": peak_mem,
@@ -194,7 +193,8 @@ def profile_step(step, device: torch.device, top: int) -> None:
     else:
         rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
     total = sum(r[1] for r in rows) or 1.0
-    print(f"\nprofile of one step ({'device' if device.type == 'cuda' else 'CPU'} time {total / 1e3:.1f} ms; top kernels):")
+    clock = "device" if device.type == "cuda" else "CPU"
+    print(f"\nprofile of one step ({clock} time {total / 1e3:.1f} ms; top kernels):")
     print("| kernel | calls | time (ms) | share |\n|---|---|---|---|")
     for name, t, n in sorted(rows, key=lambda r: -r[1])[:top]:
         print(f"| {name[:90]} | {n} | {t / 1e3:.2f} | {t / total:.1%} |")
@@ -235,8 +235,10 @@ def main() -> None:
     peak = bf16_peak_flops(device, a.peak_flops)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name} ×{world}, torch {torch.__version__}, model {a.model}, {a.batch}×{a.seq} tokens/step/GPU, "
-          f"compile={a.compile} ({a.compile_mode}), cuda_graph={a.cuda_graph}, {a.steps} timed steps after {a.warmup} warm-up\n")
-    rows = ["| scheme | activation ckpt | step (ms) | tokens/s/GPU | MFU vs BF16 peak | peak mem (GiB) | × first scheme |",
+          f"compile={a.compile} ({a.compile_mode}), cuda_graph={a.cuda_graph}, {a.steps} timed steps after "
+          f"{a.warmup} warm-up\n")
+    rows = ["| scheme | activation ckpt | step (ms) | tokens/s/GPU | MFU vs BF16 peak | peak mem (GiB) "
+            "| × first scheme |",
             "|---|---|---|---|---|---|---|"]
     for ac in a.ac:
         base = None

@@ -6,10 +6,11 @@
 The first argument is a checkpoint directory (``step_XXXXXXXX``), or a run directory, whose
 newest checkpoint under ``checkpoints/`` whose files match their checksums is exported (the one
 ``training.checkpoint.Checkpointer(run_dir / "checkpoints").newest_verified()`` names; the script
-says which). A checkpoint that does not verify is refused with the reason. The output is a ``torch.save`` dict ``{"model": state_dict, "config": resolved run
-config, "step": step}``. Its state dict has ``nn.Linear``-compatible keys, so it loads into
-``model.build_model(config["model"])`` with or without ``quant.quantize_model``. Runs in one
-process on CPU, whatever the world size that wrote the checkpoint.
+says which). A checkpoint that does not verify is refused with the reason. The output is a
+``torch.save`` dict ``{"model": state_dict, "config": resolved run config, "step": step}``. Its
+state dict has ``nn.Linear``-compatible keys, so it loads into ``model.build_model(config["model"])``
+with or without ``quant.quantize_model``. Runs in one process on CPU, whatever the world size that
+wrote the checkpoint.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.checkpoint import Checkpointer, read_extra, verify  # noqa: E402
+from training.checkpoint import Checkpointer, read_extra, verify
 
 
 def _newest_in(checkpoints: Path) -> str:

@@ -23,15 +23,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quant.format import GROUP  # noqa: E402
-from quant.hadamard import random_signs, rotate, unrotate  # noqa: E402
-from quant.quantizers import (  # noqa: E402
+from quant.format import GROUP
+from quant.hadamard import random_signs, rotate, unrotate
+from quant.quantizers import (
     quantize_ms_eden,
     quantize_rtn,
     quantize_rtn_2d,

@@ -4,6 +4,8 @@
 #   STEPS=400 bash scripts/repro_h200.sh OUT_DIR
 #   RUNS="bf16:0" COMPARE=0 bash scripts/repro_h200.sh OUT_DIR   # only the bf16 model + step 3's study
 #
+# Run from the repository root; the project need not be installed (the scripts run as modules).
+#
 # 1. Corpus: real text found on the machine (the Python sources of its site-packages; the GPU
 #    boxes have no datasets and no network), written as jsonl, tokenized with a SentencePiece BPE
 #    of 8192 pieces trained on it.
@@ -57,10 +59,10 @@ done
 
 (cd "$WORK/runs" && tar czf "$OUT/runs.tgz" */metrics.jsonl */summary.json */train.log */.hydra/config.yaml)
 if [ "$COMPARE" = 1 ]; then
-    python3 scripts/compare_runs.py "$WORK/runs" --out "$OUT/report.md" --plot "$OUT/loss_gap.png" \
+    python3 -m scripts.compare_runs "$WORK/runs" --out "$OUT/report.md" --plot "$OUT/loss_gap.png" \
         --curves "$OUT/loss_gap_curves.png" | tail -30 || echo "compare_runs failed"
 fi
 ckpt=$(ls -d "$WORK"/runs/30m-bf16-*-s0/checkpoints/step_* | tail -1)
-python3 scripts/export_checkpoint.py "$ckpt" "$WORK/bf16_model.pt"
-python3 scripts/unbiasedness.py --model "$WORK/bf16_model.pt" --device cuda --max-b 256 \
+python3 -m scripts.export_checkpoint "$ckpt" "$WORK/bf16_model.pt"
+python3 -m scripts.unbiasedness --model "$WORK/bf16_model.pt" --device cuda --max-b 256 \
     --data "$(dirname "$(ls "$NFP4_DATA_CACHE"/pysrc-*/manifest.json | head -1)")" --batch 2 --seq-len 512 --out-dir "$OUT/unbiasedness" | tail -25

@@ -49,12 +49,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import quant
+from model import build_model
+from model.llama import Llama
 
-import quant  # noqa: E402
-from model import build_model  # noqa: E402
-from model.llama import Llama  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_SCHEMES = ["nvidia", "four_over_six", "tetrajet_v2", "quartet2", "nvidia+sr46"]
 DEFAULT_LAYERS = ["blocks.0.attn.qkv"]
@@ -265,7 +264,7 @@ def markdown(curves: list[Curve], header: str = "") -> str:
         out.append("| **log-log slope** | " + " | ".join(f"**{c.slope:+.3f}**" for c in cs) + " |")
         b = cs[0].bs[-1]
         out.append(f"| z² at B={b} | " + " | ".join("—" if c.z2 is None else f"{c.z2:.3g}" for c in cs) + " |")
-        out.append(f"| bias² estimate | " + " | ".join("—" if c.bias2 is None else f"{c.bias2:.1e}" for c in cs)
+        out.append("| bias² estimate | " + " | ".join("—" if c.bias2 is None else f"{c.bias2:.1e}" for c in cs)
                    + " |")
         out.append("")
     out += ["Slope −1: the error of the mean falls as 1/B (unbiased); a flatter slope, an error that stops "

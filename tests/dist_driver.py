@@ -11,17 +11,30 @@ step k is complete: a job killed between steps, with no clean-up.
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+
+import train
+from training import checkpoint
+from training.distributed import barrier, init_distributed, shutdown
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 
-import train  # noqa: E402
-from training import checkpoint  # noqa: E402
-from training.distributed import barrier, init_distributed, shutdown  # noqa: E402
+def _exiting_after(save: Callable[..., Any], kill_at: int) -> Callable[..., Any]:
+    """``Checkpointer.save`` that ends the process (``os._exit(137)``) once step ``kill_at`` is saved."""
+
+    def save_then_die(self: checkpoint.Checkpointer, step: int, *args: Any, **kwargs: Any) -> Any:
+        path = save(self, step, *args, **kwargs)
+        if step == kill_at:
+            os._exit(137)
+        return path
+
+    return save_then_die
 
 
 def main() -> None:
@@ -33,15 +46,7 @@ def main() -> None:
             cfg = compose("train", overrides=run["overrides"])
         kill_at = run.get("exit_after_checkpoint")
         if kill_at is not None:
-            original = checkpoint.Checkpointer.save
-
-            def save_then_die(self, step, *args, **kwargs):
-                path = original(self, step, *args, **kwargs)
-                if step == kill_at:
-                    os._exit(137)
-                return path
-
-            checkpoint.Checkpointer.save = save_then_die
+            checkpoint.Checkpointer.save = _exiting_after(checkpoint.Checkpointer.save, kill_at)
         train._train(cfg, di)
     barrier()  # as train.run: every rank is done before any tears the process group down
     shutdown()

@@ -1,6 +1,7 @@
-"""Tests of scripts/compare_runs.py on hand-made run folders: trainer-style run dirs
-(metrics.jsonl + summary.json + a config) and real offline W&B runs written by ``wandb.init``,
-read back through the script's own ``.wandb`` parser. A few seconds, mostly W&B's start-up."""
+"""Tests of the run analysis (analysis/) and its command line scripts/compare_runs.py on hand-made
+run folders: trainer-style run dirs (metrics.jsonl + summary.json + a config) and real offline W&B
+runs written by ``wandb.init``, read back through analysis.wandb_log's own ``.wandb`` parser. A few
+seconds, mostly W&B's start-up."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import compare_runs as cr
+import analysis
+from scripts.compare_runs import main
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -106,8 +108,8 @@ def runs_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def report(runs_root):
-    runs, notes = cr.collect_paths([runs_root])
-    return cr.compare(runs, notes=notes)
+    runs, notes = analysis.collect_paths([runs_root])
+    return analysis.compare(runs, notes=notes)
 
 
 def _row(rows, scheme, tokens=T25, model="30m"):
@@ -117,9 +119,9 @@ def _row(rows, scheme, tokens=T25, model="30m"):
 
 
 def test_offline_wandb_file_parses_config_summary_and_history(runs_root):
-    folders = cr.wandb_run_folders(runs_root / "wandb_only")
+    folders = analysis.wandb_run_folders(runs_root / "wandb_only")
     assert len(folders) == 1 and folders[0].name.startswith("offline-run-")
-    (log,) = cr.read_wandb_folders(folders)
+    (log,) = analysis.read_wandb_folders(folders)
     assert log.name == "30m-quartet2-25tpp-s0" and log.project == "compare-test" and log.run_id
     assert log.config["model"] == {"name": "30m"} and log.config["seed"] == 0
     assert log.summary["final_val_loss"] == 3.545 and log.summary["tokens"] == T25
@@ -127,17 +129,17 @@ def test_offline_wandb_file_parses_config_summary_and_history(runs_root):
 
 
 def test_truncated_wandb_file_keeps_the_records_before_the_cut(runs_root, tmp_path):
-    src = cr._wandb_file(cr.wandb_run_folders(runs_root / "wandb_only")[0])
+    src = analysis.wandb_file(analysis.wandb_run_folders(runs_root / "wandb_only")[0])
     data = src.read_bytes()
     cut = tmp_path / "run-cut.wandb"
     cut.write_bytes(data[: len(data) // 2])
-    log = cr.parse_wandb_file(cut)
+    log = analysis.parse_wandb_file(cut)
     assert log.config["model"] == {"name": "30m"}  # the run record comes first
     assert len(log.history) < 3
     bad = tmp_path / "run-bad.wandb"
     bad.write_bytes(b"not a wandb file")
-    with pytest.raises(cr.CompareError, match="not a W&B transaction log"):
-        cr.parse_wandb_file(bad)
+    with pytest.raises(analysis.CompareError, match="not a W&B transaction log"):
+        analysis.parse_wandb_file(bad)
 
 
 def test_gaps_are_paired_by_seed_and_averaged(report):
@@ -173,7 +175,7 @@ def test_mismatched_budgets_and_missing_baselines_are_listed_not_paired(report):
 
 
 def test_markdown_has_the_sections(report):
-    text = cr.markdown(report)
+    text = analysis.markdown(report)
     assert "| 30m | 30,482,560 | 762,064,000 | 25 | nvidia | 3.5650 | 3.5100 | +0.0550 ± 0.0071 | 2 |" in text
     assert "| 30m | 30,482,560 | 762,064,000 | 25 | quartet2 | 3.5450 | 3.5000 | +0.0450 | 1 |" in text
     section = text.split("## Runs without a matching bf16 baseline")[1].split("##")[0]
@@ -183,8 +185,8 @@ def test_markdown_has_the_sections(report):
 
 
 def test_plots_are_written(report, tmp_path):
-    gap = cr.plot_gaps(report, tmp_path / "gap.png")
-    curves = cr.plot_curves(report, tmp_path / "curves.png")
+    gap = analysis.plot_gaps(report, tmp_path / "gap.png")
+    curves = analysis.plot_curves(report, tmp_path / "curves.png")
     for p in (gap, curves):
         data = p.read_bytes()
         assert data[:8] == PNG and len(data) > 5000
@@ -192,8 +194,8 @@ def test_plots_are_written(report, tmp_path):
 
 def test_cli_end_to_end(runs_root, tmp_path, capsys):
     out = tmp_path / "out"
-    rc = cr.main([str(runs_root), "--plot", str(out / "gap.png"), "--curves", str(out / "curves.png"),
-                  "--out", str(out / "report.md"), "--json", str(out / "report.json"), "--writeback"])
+    rc = main([str(runs_root), "--plot", str(out / "gap.png"), "--curves", str(out / "curves.png"),
+               "--out", str(out / "report.md"), "--json", str(out / "report.json"), "--writeback"])
     printed = capsys.readouterr().out
     assert rc == 0
     assert (out / "gap.png").read_bytes()[:8] == PNG and (out / "curves.png").read_bytes()[:8] == PNG
@@ -213,20 +215,20 @@ def test_script_runs_as_a_command(runs_root, tmp_path):
 
 
 def test_empty_inputs_fail_clearly(tmp_path, capsys):
-    assert cr.main([str(tmp_path)]) == 1
+    assert main([str(tmp_path)]) == 1
     assert "no runs found" in capsys.readouterr().err
-    assert cr.main([str(tmp_path / "missing")]) == 1
+    assert main([str(tmp_path / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cr.main([])
-    with pytest.raises(cr.CompareError, match="no runs found"):
-        cr.compare([])
+        main([])
+    with pytest.raises(analysis.CompareError, match="no runs found"):
+        analysis.compare([])
 
 
 def test_only_unpaired_runs_make_no_plot_but_a_table(tmp_path, capsys):
     local_run(tmp_path, "50m-quartet2-25tpp-s0", model="50m", scheme="quartet2", seed=0, tokens=25 * P50,
               params=P50, final=3.40, curve={300: 3.40})
-    assert cr.main([str(tmp_path), "--plot", str(tmp_path / "g.png")]) == 0
+    assert main([str(tmp_path), "--plot", str(tmp_path / "g.png")]) == 0
     out = capsys.readouterr().out
     assert "Runs without a matching bf16 baseline" in out and "no loss-gap plot" in out
     assert not (tmp_path / "g.png").exists()
@@ -235,11 +237,11 @@ def test_only_unpaired_runs_make_no_plot_but_a_table(tmp_path, capsys):
 def test_unpaired_seeds_fall_back_to_means(tmp_path):
     local_run(tmp_path, "a", model="30m", scheme="bf16", seed=0, tokens=T25, params=P30, final=3.5, curve={1: 3.5})
     local_run(tmp_path, "b", model="30m", scheme="nvidia", seed=7, tokens=T25, params=P30, final=3.6, curve={1: 3.6})
-    runs, notes = cr.collect_paths([tmp_path])
-    report = cr.compare(runs, notes=notes)
+    runs, notes = analysis.collect_paths([tmp_path])
+    report = analysis.compare(runs, notes=notes)
     row = _row(report.rows, "nvidia")
     assert not row.paired and row.gap == pytest.approx(0.1)
-    assert "(unpaired)" in cr.markdown(report)
+    assert "(unpaired)" in analysis.markdown(report)
 
 
 def test_resumed_offline_run_folders_merge_and_duplicates_count_once(tmp_path, runs_root):
@@ -249,14 +251,14 @@ def test_resumed_offline_run_folders_merge_and_duplicates_count_once(tmp_path, r
     offline_wandb_run(root, name="30m-nvidia-25tpp-s0", config=cfg, run_id="resume01", resume=True,
                       summary={"final_val_loss": 3.56, "tokens": T25, "non_embedding_params": P30},
                       curve={200: 3.65, 300: 3.56})
-    assert len(cr.wandb_run_folders(root)) == 2
-    runs, _ = cr.collect_paths([root])
+    assert len(analysis.wandb_run_folders(root)) == 2
+    runs, _ = analysis.collect_paths([root])
     assert len(runs) == 1
     assert runs[0].val_curve == {100: 4.1, 200: 3.65, 300: 3.56} and runs[0].final_val_loss == 3.56
     # The same run found again (here: the local copy of 30m-nvidia-25tpp-s0) is counted once.
     shutil.copytree(runs_root / "30m-bf16-25tpp-s0", tmp_path / "30m-bf16-25tpp-s0")
-    runs, notes = cr.collect_paths([root, runs_root / "30m-nvidia-25tpp-s0", tmp_path / "30m-bf16-25tpp-s0"])
-    report = cr.compare(runs, notes=notes)
+    runs, notes = analysis.collect_paths([root, runs_root / "30m-nvidia-25tpp-s0", tmp_path / "30m-bf16-25tpp-s0"])
+    report = analysis.compare(runs, notes=notes)
     assert _row(report.rows, "nvidia").n == 1
     assert any("duplicate" in n for n in report.notes)
 
@@ -297,12 +299,12 @@ class _FakeApi:
 def test_wandb_api_source_and_writeback():
     base = _FakeRun("r1", "30m-bf16-25tpp-s0", "bf16", 3.5, {100: 4.0, 300: 3.5})
     q2 = _FakeRun("r2", "30m-quartet2-25tpp-s0", "quartet2", 3.55, {100: 4.1, 300: 3.55})
-    runs = cr.collect_wandb_project("team/proj", api=_FakeApi([base, q2]))
-    report = cr.compare(runs)
+    runs = analysis.collect_wandb_project("team/proj", api=_FakeApi([base, q2]))
+    report = analysis.compare(runs)
     row = _row(report.rows, "quartet2")
     assert row.gap == pytest.approx(0.05) and row.curve == pytest.approx({100: 0.1, 300: 0.05})
     messages = []
-    assert cr.writeback([r for r in report.rows if r.gap is not None], log=messages.append) == 1
+    assert analysis.writeback([r for r in report.rows if r.gap is not None], log=messages.append) == 1
     assert q2.summary["loss_gap"] == pytest.approx(0.05) and q2.summary.updates == 1
     assert q2.summary["loss_gap_baseline"] == pytest.approx(3.5)
     assert "loss_gap" not in base.summary

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 from torch import nn
 
 import quant
@@ -36,7 +37,7 @@ def test_every_model_and_quant_preset_composes_and_builds_on_meta(compose_train,
     cfg = compose_train([f"model={model_name}", f"quant={quant_name}"])
     assert cfg.model.name == model_name and cfg.quant.name == quant_name
     model = build_model(cfg.model, device="meta")
-    scheme = train.scheme_from_config(cfg.quant)
+    scheme = quant.scheme_from_config(cfg.quant)
     quant.quantize_model(model, scheme, skip=train.skip_patterns(cfg.quant, cfg.model.n_layer))
 
     assert len(model.blocks) == cfg.model.n_layer
@@ -101,73 +102,99 @@ def test_cli_reports_unknown_option_without_traceback():
 def test_quant_preset_is_the_library_scheme(compose_train, quant_name):
     cfg = compose_train([f"quant={quant_name}"])
     assert cfg.quant.name in quant.SCHEMES
+    assert set(cfg.quant) == {"name", *quant.ABLATIONS, *quant.LAYER_KEYS}
     # With every ablation switch at its default, the preset is exactly the library's scheme.
-    assert train.scheme_from_config(cfg.quant) == quant.SCHEMES[quant_name]
+    assert quant.scheme_from_config(cfg.quant) == quant.SCHEMES[quant_name]
     assert list(cfg.quant.skip) == ["lm_head"]
 
 
-@pytest.mark.parametrize("quant_name", [q for q in QUANTS if q != "bf16"])
-def test_ablation_switches_reach_the_scheme(compose_train, quant_name):
-    def scheme(*overrides: str) -> quant.Scheme:
-        return train.scheme_from_config(compose_train([f"quant={quant_name}", *overrides]).quant)
-
-    base = scheme()
-    assert base.forward.quantized and base.dgrad.quantized and base.wgrad.quantized
-
-    no_bwd = scheme("quant.backward=false")
-    for gemm in (no_bwd.dgrad, no_bwd.wgrad):
-        assert not gemm.quantized and gemm.rotation is None
-    assert no_bwd.forward == base.forward
-
-    no_fwd = scheme("quant.forward=false")
-    assert not no_fwd.forward.quantized
-    assert (no_fwd.dgrad, no_fwd.wgrad) == (base.dgrad, base.wgrad)
-
-    assert scheme("quant.delayed_amax=true").delayed_amax and not base.delayed_amax
-
-    rotated = [g for g in ("dgrad", "wgrad") if getattr(base, g).rotation]
-    assert rotated, "every NVFP4 scheme rotates at least one backward GEMM"
-    for g in rotated:
-        assert getattr(scheme("quant.rotation=64"), g).rotation == 64
-
-    fwd_46 = scheme("quant.four_over_six=true").forward
-    assert fwd_46.a.four_over_six and fwd_46.b.four_over_six
-    fwd_no46 = scheme("quant.four_over_six=false").forward
-    assert not fwd_no46.a.four_over_six and not fwd_no46.b.four_over_six
+def test_shared_switches_are_the_library_defaults():
+    """configs/quant/base/switches.yaml, which every preset includes, sets each ablation switch of
+    ``quant.get_scheme`` to its default, so a preset that names a scheme is that scheme."""
+    shared = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "quant" / "base" / "switches.yaml"))
+    assert set(shared) == {"name", *quant.ABLATIONS, *quant.LAYER_KEYS}
+    assert {k: shared[k] for k in quant.ABLATIONS} == quant.ABLATIONS
+    assert shared["name"] == "???"  # each preset names its scheme
 
 
-def test_sr_four_over_six_reaches_the_sr_operands(compose_train):
-    biased = train.scheme_from_config(compose_train(["quant=nvidia", "quant.sr_four_over_six=true"]).quant)
-    assert biased.dgrad.a.quantizer == "sr" and biased.dgrad.a.four_over_six
-    assert biased.wgrad.a.four_over_six
-    assert not quant.SCHEMES["nvidia"].dgrad.a.four_over_six
+def _ops(*gemms: quant.Gemm) -> list[quant.Operand]:
+    return [o for g in gemms for o in (g.a, g.b)]
 
 
-def test_range_alignment_reaches_the_ms_eden_operands(compose_train):
-    """quartet2's MS-EDEN operands use post hoc range alignment by default; ``amax`` (or delayed
-    amax) switches every one of them back; a wrong value or post hoc with delayed amax is refused."""
-    def eden_posthoc(*overrides: str) -> set[bool]:
-        s = train.scheme_from_config(compose_train(["quant=quartet2", *overrides]).quant)
-        ops = [o for g in (s.dgrad, s.wgrad) for o in (g.a, g.b)]
-        assert {o.quantizer for o in ops} == {"ms_eden"}
-        return {o.posthoc for o in ops}
+def _check_switch(switch: str, value, base: quant.Scheme, s: quant.Scheme) -> None:
+    """Asserts that ``s``, built with ``quant.<switch>=<value>``, shows the switch against ``base``."""
+    if switch == "forward":
+        assert not s.forward.quantized and (s.dgrad, s.wgrad) == (base.dgrad, base.wgrad)
+    elif switch == "backward":
+        assert not s.dgrad.quantized and not s.wgrad.quantized
+        assert s.dgrad.rotation is None and s.wgrad.rotation is None and s.forward == base.forward
+    elif switch == "rotation":
+        for g in ("dgrad", "wgrad"):
+            assert getattr(s, g).rotation == (value if getattr(base, g).rotation else None)
+        assert s.forward == base.forward
+    elif switch == "four_over_six":
+        assert all(o.four_over_six is value for o in _ops(s.forward) if o.quantizer in ("rtn", "rtn_2d"))
+        assert (s.dgrad, s.wgrad) == (base.dgrad, base.wgrad)
+    elif switch == "sr_four_over_six":
+        assert all(o.four_over_six for o in _ops(s.dgrad, s.wgrad) if o.quantizer == "sr")
+        assert s.forward == base.forward
+    elif switch == "delayed_amax":
+        assert s.delayed_amax and not base.delayed_amax
+        assert not any(o.posthoc for o in _ops(s.dgrad, s.wgrad))  # delayed amax needs an amax pass
+    elif switch == "range_alignment":
+        assert all(o.posthoc is (value == "posthoc") for o in _ops(s.dgrad, s.wgrad) if o.quantizer == "ms_eden")
+    else:
+        raise AssertionError(f"no check for the switch {switch!r}")
 
-    assert eden_posthoc() == {True}
-    assert eden_posthoc("quant.range_alignment=amax") == {False}
-    assert eden_posthoc("quant.delayed_amax=true") == {False}
+
+# Every ablation switch of quant.get_scheme (test_switch_table_is_complete) with values off its default.
+SWITCHES = [("forward", False), ("backward", False), ("rotation", 64), ("four_over_six", True),
+            ("four_over_six", False), ("sr_four_over_six", True), ("delayed_amax", True),
+            ("range_alignment", "amax")]
+
+
+def test_switch_table_is_complete():
+    assert {switch for switch, _ in SWITCHES} == set(quant.ABLATIONS)
+
+
+@pytest.mark.parametrize(("switch", "value"), SWITCHES)
+def test_every_switch_reaches_every_scheme(compose_train, switch, value):
+    """Each scheme composed with ``quant.<switch>=<value>``: the built scheme shows the switch, and
+    it changes at least one scheme (a switch that never arrives would leave every one as it is)."""
+    changed = []
+    for name in QUANTS:
+        s = quant.scheme_from_config(compose_train([f"quant={name}", f"quant.{switch}={value}"]).quant)
+        base = quant.SCHEMES[name]
+        _check_switch(switch, value, base, s)
+        assert s.is_identity == base.is_identity
+        if s != base:
+            changed.append(name)
+    assert changed, f"quant.{switch}={value} changed no scheme"
+
+
+def test_switch_values_are_checked(compose_train):
+    def build(*overrides: str) -> quant.Scheme:
+        return quant.scheme_from_config(compose_train(["quant=quartet2", *overrides]).quant)
+
     with pytest.raises(ValueError, match="range_alignment"):
-        eden_posthoc("quant.range_alignment=max")
+        build("quant.range_alignment=max")
     with pytest.raises(ValueError, match="delayed_amax needs range_alignment='amax'"):
-        eden_posthoc("quant.delayed_amax=true", "quant.range_alignment=posthoc")
-    nvidia = train.scheme_from_config(compose_train(["quant=nvidia", "quant.range_alignment=amax"]).quant)
-    assert nvidia == quant.SCHEMES["nvidia"]  # no MS-EDEN operand: nothing changes
+        build("quant.delayed_amax=true", "quant.range_alignment=posthoc")
+    with pytest.raises(ValueError, match="rotation size 48"):
+        build("quant.rotation=48")
+
+
+def test_unknown_quant_key_is_refused_naming_it_and_the_accepted_ones(compose_train):
+    cfg = compose_train(["quant=nvidia", "+quant.rotaton=64"])  # composes: the key was added on purpose
+    with pytest.raises(ValueError, match=r"'rotaton'.*accepted: name, forward, backward, rotation"):
+        quant.scheme_from_config(cfg.quant)
 
 
 def test_keep_edge_blocks_keeps_those_blocks_in_high_precision(compose_train):
     cfg = compose_train(["model=100m", "quant=nvidia", "quant.keep_edge_blocks={first: 1, last: 2}"])
     model = build_model(cfg.model, device="meta")
     skip = train.skip_patterns(cfg.quant, cfg.model.n_layer)
-    quant.quantize_model(model, train.scheme_from_config(cfg.quant), skip=skip)
+    quant.quantize_model(model, quant.scheme_from_config(cfg.quant), skip=skip)
     kept = {i for i, block in enumerate(model.blocks) if type(block.attn.qkv) is nn.Linear}
     assert kept == {0, cfg.model.n_layer - 2, cfg.model.n_layer - 1}
     assert all(isinstance(b.mlp.down, QuantLinear) for i, b in enumerate(model.blocks) if i not in kept)

@@ -1,0 +1,277 @@
+"""Training runs as :class:`Run` records, read from trainer run directories and offline W&B runs.
+
+Sources (any mix; :func:`collect_paths` walks them):
+
+* a trainer run directory (``metrics.jsonl`` and/or ``summary.json``); its config is read from
+  ``.hydra/config.yaml`` (Hydra's copy), ``config.yaml``/``config.json`` next to the metrics,
+  or the offline W&B run inside it; model, scheme and seed can also come from its name
+  (``<model>-<scheme>-<budget>-s<seed>``, train.yaml's ``run_name``). Directories are searched
+  recursively (``checkpoints/``, ``.submitit/`` and the like are skipped);
+* an offline W&B run folder ``wandb/offline-run-*/`` found outside a trainer run directory, or
+  a ``.wandb`` file (:mod:`analysis.wandb_log`).
+
+Runs read through the W&B API are built in :mod:`analysis.wandb_api` with the same helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CompareError
+from .labels import scheme_label
+from .wandb_log import WandbLog, is_wandb_run_folder, parse_wandb_file, read_wandb_folders, wandb_run_folders
+
+RUN_NAME = re.compile(r"^(?P<model>[^-]+)-(?P<scheme>.+)-(?P<budget>\d+(?:\.\d+)?(?:tpp|steps))-s(?P<seed>\d+)$")
+SKIP_DIRS = {"checkpoints", ".submitit", "wandb", ".hydra", "__pycache__", ".git"}
+
+Budget = tuple[str, int | float]
+"""What two runs must share to be compared: ``("tokens", n)``, ``("tpp", x)`` or ``("steps", n)``."""
+
+
+@dataclass
+class Run:
+    """One training run, whatever its source."""
+
+    name: str
+    source: str  # "local", "wandb-offline", "wandb"
+    path: str
+    model: str | None = None
+    scheme: str | None = None
+    seed: int | None = None
+    tokens: int | None = None
+    params: int | None = None  # non-embedding parameters
+    tokens_per_param_cfg: float | None = None
+    steps: int | None = None
+    final_val_loss: float | None = None
+    last_step: int | None = None
+    val_curve: dict[int, float] = field(default_factory=dict)  # step -> val/loss
+    run_id: str | None = None
+    handle: Any = None  # the wandb.apis.public.Run, for --writeback
+
+    @property
+    def tokens_per_param(self) -> float | None:
+        """Tokens per non-embedding parameter: from the counts when known, else the config's."""
+        if self.tokens and self.params:
+            return self.tokens / self.params
+        return self.tokens_per_param_cfg
+
+    @property
+    def budget(self) -> Budget | None:
+        """What two runs must share to be compared (besides the model)."""
+        if self.tokens:
+            return ("tokens", int(self.tokens))
+        if self.tokens_per_param_cfg is not None and self.params:
+            return ("tokens", int(round(self.tokens_per_param_cfg * self.params)))
+        if self.tokens_per_param_cfg is not None:
+            return ("tpp", float(self.tokens_per_param_cfg))
+        if self.steps:
+            return ("steps", int(self.steps))
+        return None
+
+
+def budget_text(budget: Budget) -> str:
+    """A budget as the report writes it: ``762,064,000 tokens``, ``25 tokens/param``, ``300 steps``."""
+    kind, value = budget
+    return {"tokens": f"{value:,} tokens", "tpp": f"{value:g} tokens/param", "steps": f"{value} steps"}[kind]
+
+
+# ----------------------------------------------------------------------------- what a run says
+
+
+def _get(cfg: dict | None, dotted: str, default: Any = None) -> Any:
+    cur: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return default
+        cur = cur[part]
+    return cur
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a finite float, or None."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _non_embedding_params(model_cfg: dict | None) -> int | None:
+    """Count of a model config's non-embedding parameters (built on the meta device)."""
+    if not isinstance(model_cfg, dict):
+        return None
+    try:
+        from model import build_model
+
+        return build_model(model_cfg, device="meta").num_params(non_embedding=True)
+    except Exception:
+        return None
+
+
+def apply_config(run: Run, cfg: dict | None) -> None:
+    """Fill what is still unknown about ``run`` from a resolved trainer config."""
+    if not isinstance(cfg, dict):
+        return
+    run.model = run.model or _get(cfg, "model.name")
+    if run.scheme is None and _get(cfg, "quant.name") is not None:
+        run.scheme = scheme_label(_get(cfg, "quant.name"), _get(cfg, "quant"))
+    elif run.scheme is not None and isinstance(_get(cfg, "quant"), dict):
+        run.scheme = scheme_label(run.scheme, _get(cfg, "quant"))
+    if run.seed is None and isinstance(cfg.get("seed"), int):
+        run.seed = cfg["seed"]
+    if run.tokens_per_param_cfg is None:
+        run.tokens_per_param_cfg = number(_get(cfg, "train.tokens_per_param"))
+    if run.steps is None and run.tokens is None and run.tokens_per_param_cfg is None:
+        steps = _get(cfg, "train.steps")
+        run.steps = int(steps) if isinstance(steps, int) else None
+    if run.params is None and run.tokens_per_param_cfg is not None:
+        run.params = _non_embedding_params(_get(cfg, "model"))
+    if run.name in ("", None) and cfg.get("run_name"):
+        run.name = cfg["run_name"]
+
+
+def apply_summary(run: Run, summary: dict) -> None:
+    """Take the final loss, token and parameter counts, model and scheme from a run's summary."""
+    run.final_val_loss = number(summary.get("final_val_loss"))
+    if summary.get("tokens") is not None:
+        run.tokens = int(summary["tokens"])
+    if summary.get("non_embedding_params") is not None:
+        run.params = int(summary["non_embedding_params"])
+    if summary.get("steps") is not None:
+        run.steps = int(summary["steps"])
+    run.model = summary.get("model") or run.model
+    # summary.scheme is the bare name; the config's quant group may add ablation labels later.
+    run.scheme = summary.get("scheme") or run.scheme
+
+
+def apply_name(run: Run, name: str) -> None:
+    """``<model>-<scheme>-<budget>-s<seed>`` (train.yaml's run_name) for what is still unknown."""
+    m = RUN_NAME.match(name)
+    if not m:
+        return
+    run.model = run.model or m["model"]
+    run.scheme = run.scheme or m["scheme"]
+    if run.seed is None:
+        run.seed = int(m["seed"])
+    budget = m["budget"]
+    if run.tokens is None and run.tokens_per_param_cfg is None and run.steps is None:
+        if budget.endswith("tpp"):
+            run.tokens_per_param_cfg = float(budget[:-3])
+        else:
+            run.steps = int(budget[:-5])
+
+
+def val_curve(rows: Iterable[dict], step_key: str) -> dict[int, float]:
+    """``val/loss`` by step from metric rows; a step logged again (a resumed run) keeps its last value."""
+    curve = {}
+    for row in rows:
+        v, step = number(row.get("val/loss")), row.get(step_key)
+        if v is not None and step is not None:
+            curve[int(step)] = v
+    return curve
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def run_from_wandb_log(log: WandbLog, source: str, path: str) -> Run:
+    """The run an offline W&B log describes."""
+    run = Run(name=log.name or _get(log.config, "run_name") or Path(path).name, source=source, path=path,
+              run_id=log.run_id)
+    apply_summary(run, log.summary)
+    apply_config(run, log.config)
+    apply_name(run, run.name)
+    run.val_curve = val_curve(log.history, "_step")
+    steps = [int(r["_step"]) for r in log.history if r.get("_step") is not None]
+    run.last_step = max(steps) if steps else None
+    return run
+
+
+def _read_local_config(run_dir: Path) -> dict | None:
+    for candidate in (run_dir / ".hydra" / "config.yaml", run_dir / "config.yaml"):
+        if candidate.is_file():
+            from omegaconf import OmegaConf
+
+            try:
+                return OmegaConf.to_container(OmegaConf.load(candidate), resolve=False)
+            except Exception:
+                continue
+    if (run_dir / "config.json").is_file():
+        return json.loads((run_dir / "config.json").read_text())
+    return None
+
+
+def is_run_dir(path: Path) -> bool:
+    """True for a trainer run directory (it has ``summary.json`` or ``metrics.jsonl``)."""
+    return (path / "summary.json").is_file() or (path / "metrics.jsonl").is_file()
+
+
+def read_run_dir(run_dir: Path) -> Run:
+    """A trainer run directory: summary.json, metrics.jsonl, and the config it can find."""
+    run = Run(name=run_dir.name, source="local", path=str(run_dir))
+    if (run_dir / "summary.json").is_file():
+        apply_summary(run, json.loads((run_dir / "summary.json").read_text()))
+    rows = []
+    if (run_dir / "metrics.jsonl").is_file():
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill
+    run.val_curve = val_curve(rows, "step")
+    steps = [int(r["step"]) for r in rows if r.get("step") is not None]
+    run.last_step = max(steps) if steps else None
+    cfg = _read_local_config(run_dir)
+    wb_folders = wandb_run_folders(run_dir)
+    if wb_folders:
+        log = read_wandb_folders(wb_folders)[-1]  # the trainer writes one W&B run per run dir
+        run.run_id = log.run_id
+        cfg = cfg or log.config
+        if run.final_val_loss is None and not (run_dir / "summary.json").is_file():
+            run.final_val_loss = number(log.summary.get("final_val_loss"))
+    apply_config(run, cfg)
+    apply_name(run, run.name)
+    if cfg and cfg.get("run_name") and RUN_NAME.match(str(cfg["run_name"])):
+        run.name = cfg["run_name"]
+    return run
+
+
+def collect_paths(paths: Iterable[Path]) -> tuple[list[Run], list[str]]:
+    """Every run under ``paths`` (run dirs, offline W&B folders, .wandb files); notes on skips."""
+    runs: list[Run] = []
+    notes: list[str] = []
+    for root in paths:
+        root = Path(root)
+        if not root.exists():
+            raise CompareError(f"{root} does not exist")
+        if root.is_file():
+            if root.suffix != ".wandb":
+                raise CompareError(f"{root}: expected a directory or a .wandb file")
+            runs.append(run_from_wandb_log(parse_wandb_file(root), "wandb-offline", str(root)))
+            continue
+        if is_wandb_run_folder(root):
+            runs += [run_from_wandb_log(log, "wandb-offline", log.path) for log in read_wandb_folders([root])]
+            continue
+        stack = [root]
+        while stack:
+            d = stack.pop()
+            if is_run_dir(d):
+                try:
+                    runs.append(read_run_dir(d))
+                except Exception as err:  # one broken run must not hide the others
+                    notes.append(f"skipped {d}: {err}")
+                continue
+            for log in read_wandb_folders(wandb_run_folders(d), notes):
+                runs.append(run_from_wandb_log(log, "wandb-offline", log.path))
+            try:
+                children = sorted(p for p in d.iterdir() if p.is_dir() and p.name not in SKIP_DIRS)
+            except PermissionError:
+                continue
+            stack.extend(reversed(children))
+    return runs, notes
