@@ -41,9 +41,16 @@ from data.tokenizer import check_vocab
 from model import build_model
 from model.parallel import materialize, parallelize, replays_cuda_graphs
 from quant import randomness
-from training.checkpoint import CheckpointError, Checkpointer, check_fingerprint, config_fingerprint, read_extra
+from training.checkpoint import Checkpointer, CheckpointError, check_fingerprint, config_fingerprint, read_extra
 from training.config_checks import check_train_config
-from training.distributed import DistInfo, all_gather_objects, all_reduce_mean, any_rank, barrier, init_distributed, shutdown
+from training.distributed import (
+    DistInfo,
+    all_reduce_mean,
+    any_rank,
+    barrier,
+    init_distributed,
+    shutdown,
+)
 from training.health import first_nonfinite, param_max_abs
 from training.metrics import bf16_peak_flops, mfu, peak_memory_gib
 from training.optim import build_adamw
@@ -159,7 +166,8 @@ def _train(cfg: DictConfig, di: DistInfo, handle_ctrl_c: bool = False) -> dict[s
         notes.append(f"warning: skipped checkpoint {path}: {why}")
     if latest is None and di.is_main and holds_a_run(run_dir):
         aside = move_aside(run_dir, keep=(".hydra", STOP_FILE))
-        why = "resume=false" if not cfg.resume else "no checkpoint of it verifies" if skipped else "it has no checkpoint"
+        why = ("resume=false" if not cfg.resume else
+               "no checkpoint of it verifies" if skipped else "it has no checkpoint")
         notes.append(f"starting from step 0 ({why}): the earlier run in {run_dir} was moved to {aside}")
     barrier()
     preemption = PreemptionWatcher(run_dir, interrupt_signal=handle_ctrl_c)

@@ -726,8 +726,16 @@ def main(argv: Sequence[str] | None = None) -> Path:
     return out
 
 
-if __name__ == "__main__":
+def cli(argv: Sequence[str] | None = None) -> int:
+    """The ``nvfp4-prepare`` command: :func:`main`, with bad input reported as one ``error:``
+    line and exit status 1."""
     try:
-        main()
+        main(argv)
     except (ValueError, FileNotFoundError) as err:
-        sys.exit(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

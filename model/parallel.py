@@ -75,7 +75,8 @@ def apply_compile(model: nn.Module, mode: str = "default") -> None:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, bf16_params: bool, reshard_after_forward: bool = True) -> None:
     """FSDP2 on every block, then on the root (embedding, final norm, lm_head)."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params
+          else MixedPrecisionPolicy())
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -200,7 +200,7 @@ class NVFP4Tensor:
         """``x̂`` in the original layout of the quantized tensor."""
         return self.dequantize_grouped().movedim(-1, self.dim)
 
-    def pack(self) -> "PackedNVFP4":
+    def pack(self) -> PackedNVFP4:
         """The storage form: two E2M1 codes per byte, E4M3 scales, FP32 tensor scale."""
         codes = encode_e2m1(self.q)
         if codes.shape[-1] % 2:

@@ -24,7 +24,7 @@ def check_rotation_size(h: int) -> None:
         )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sylvester(h: int) -> torch.Tensor:
     """Unnormalised Sylvester Hadamard matrix: H_1 = [1], H_2k = [[H_k, H_k], [H_k, -H_k]]."""
     H = torch.ones(1, 1)

@@ -31,8 +31,8 @@ from torch import nn
 from . import backend, randomness
 from .format import GROUP, NVFP4Tensor, PackedNVFP4
 from .hadamard import random_signs, rotate
-from .randomness import PhiloxStream
 from .quantizers import amax_of, quantize_ms_eden, quantize_rtn, quantize_rtn_2d, quantize_sr
+from .randomness import PhiloxStream
 from .schemes import Gemm, Operand, Scheme, get_scheme
 
 # Slots of the delayed-amax buffer: (GEMM, operand) → index.
@@ -53,11 +53,11 @@ class _Factor:
         return v if self.scale is None else v * self.scale
 
     @property
-    def T(self) -> "_Factor":
+    def T(self) -> _Factor:
         return _Factor(self.values.t(), self.scale)
 
     @classmethod
-    def of(cls, t: NVFP4Tensor) -> "_Factor":
+    def of(cls, t: NVFP4Tensor) -> _Factor:
         return cls(t.scaled_values(), t.tensor_scale)
 
 

@@ -41,7 +41,7 @@ kernels return: a quantized linear layer then takes a micro-batch of no tokens.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -56,8 +56,8 @@ from .format import (
     e4m3_neighbours,
     fp32,
     pow2_scale_for,
-    round_e4m3_mantissa,
     round_e2m1,
+    round_e4m3_mantissa,
     tensor_scale,
     to_groups,
 )

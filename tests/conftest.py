@@ -3,9 +3,9 @@ once per session in a temporary cache, and in-process composition of configs/tra
 
 from __future__ import annotations
 
-from pathlib import Path
 import signal
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir

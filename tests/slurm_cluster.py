@@ -215,7 +215,7 @@ class SlurmCluster:
             time.sleep(0.25)
         raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs()}")
 
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         """Write the configuration, start the daemons and wait until the node is idle."""
         self.write_conf()
         try:
@@ -261,7 +261,7 @@ class SlurmCluster:
             log.close()
         self._logs.clear()
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -229,7 +229,8 @@ def test_single_pass_gradient_error_ms_eden_below_sr(capsys):
     for name in QUANTIZED:
         exact = _grads(x, w, e, get_scheme(name, backward=False))
         errs = torch.tensor([
-            [((g - r).norm() ** 2 / r.norm() ** 2).item() for g, r in zip(_grads(x, w, e, get_scheme(name), step=s)[1:], exact[1:])]
+            [((g - r).norm() ** 2 / r.norm() ** 2).item()
+             for g, r in zip(_grads(x, w, e, get_scheme(name), step=s)[1:], exact[1:])]
             for s in range(8)
         ]).mean(0)
         rows[name] = errs.tolist()

@@ -219,7 +219,9 @@ def test_gqa_matches_mha_with_shared_kv_heads():
     assert mha.qkv.weight.numel() - gqa.qkv.weight.numel() == 2 * (H - KV) * hd * d
     # An MHA whose key/value heads repeat each GQA head H/KV times (query head h reads kv head h // (H/KV)).
     wq, wk, wv = gqa.qkv.weight.split([H * hd, KV * hd, KV * hd])
-    repeat = lambda w: w.view(KV, hd, d).repeat_interleave(H // KV, dim=0).reshape(H * hd, d)
+    def repeat(w):
+        return w.view(KV, hd, d).repeat_interleave(H // KV, dim=0).reshape(H * hd, d)
+
     with torch.no_grad():
         mha.qkv.weight.copy_(torch.cat([wq, repeat(wk), repeat(wv)]))
         mha.proj.weight.copy_(gqa.proj.weight)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST
+from test_train import checkpoint_state, checkpoint_steps, read_metrics
 
 import train
 from training import checkpoint as ckpt
@@ -26,9 +28,6 @@ from training.checkpoint import Checkpointer, file_checksum, read_extra, verify
 from training.distributed import init_distributed
 from training.preemption import REQUEUE_FILE, STOP_FILE, PreemptionWatcher
 from training.tracking import Tracker
-
-from conftest import FAST
-from test_train import checkpoint_state, checkpoint_steps, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -137,7 +136,8 @@ def test_checkpointer_refuses_to_save_nonfinite_state(tmp_path):
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
     cp = Checkpointer(tmp_path / "ck")
-    with pytest.raises(ckpt.CheckpointError, match=r"refusing to save step 3: 1 tensor\(s\) hold NaN or inf \(model\.weight\)"):
+    refused = r"refusing to save step 3: 1 tensor\(s\) hold NaN or inf \(model\.weight\)"
+    with pytest.raises(ckpt.CheckpointError, match=refused):
         cp.save(3, model, opt, {"step": 3})
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
 
@@ -217,7 +217,8 @@ def test_no_checkpoint_verifies_moves_the_run_aside(tiny):
     asides = list(Path(cfg.run_dir).parent.glob("run.replaced-*"))
     assert len(asides) == 1 and (asides[0] / "checkpoints" / "step_00000002").is_dir()
     assert "warning: skipped checkpoint" in log and "does not match its checksum" in log
-    assert f"starting from step 0 (no checkpoint of it verifies): the earlier run in {cfg.run_dir} was moved to {asides[0]}" in log
+    assert (f"starting from step 0 (no checkpoint of it verifies): the earlier run in {cfg.run_dir} "
+            f"was moved to {asides[0]}") in log
     assert sorted(read_metrics(cfg.run_dir)) == [0, 1, 2]
 
 
@@ -430,7 +431,8 @@ def test_full_disk_is_named_and_leaves_no_partial_checkpoint(compose_train, data
 
 
 @pytest.mark.parametrize("override,message", [
-    ("train.keep_checkpoints=-1", r"train\.keep_checkpoints=-1 would delete every checkpoint\. Fix: .*null to keep all"),
+    ("train.keep_checkpoints=-1",
+     r"train\.keep_checkpoints=-1 would delete every checkpoint\. Fix: .*null to keep all"),
     ("train.keep_checkpoints=0", r"train\.keep_checkpoints=0 would delete every checkpoint"),
     ("train.micro_batch_size=0", r"train\.micro_batch_size=0 must be a whole number ≥ 1"),
     ("train.tokens_per_param=-1", r"train\.tokens_per_param=-1 must be a positive number"),

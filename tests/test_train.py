@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import FAST
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import quant
 import train
-from conftest import FAST
 from data.loader import val_batches
 from data.prepare import load_manifest, prepare_from_config
 from model import build_model
 from model.llama import Llama, RMSNorm
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from training.checkpoint import Checkpointer, read_extra
 from training.config_checks import ConfigError
 from training.optim import build_adamw, param_groups

@@ -111,7 +111,8 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
 def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
     """Max of a scalar tensor over ranks (identity in one process); NaN wins."""
     if dist.is_initialized():
-        both = torch.stack([torch.nan_to_num(value, nan=0.0, posinf=math.inf, neginf=-math.inf), value.isnan().to(value.dtype)])
+        finite_or_inf = torch.nan_to_num(value, nan=0.0, posinf=math.inf, neginf=-math.inf)
+        both = torch.stack([finite_or_inf, value.isnan().to(value.dtype)])
         dist.all_reduce(both, op=dist.ReduceOp.MAX)  # NaN's order under MAX differs by backend
         value = torch.where(both[1] > 0, torch.full_like(value, float("nan")), both[0])
     return value

@@ -4,7 +4,7 @@ step where it appears, before anything is saved or logged for that step."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor

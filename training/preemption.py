@@ -25,8 +25,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 STOP_FILE = "PREEMPT"
 REQUEUE_FILE = "REQUEUE"
