@@ -3,7 +3,8 @@
 ``auto`` (default) runs the kernels on CUDA tensors and the reference everywhere else;
 ``reference`` and ``triton`` force one (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``
 set before :mod:`quant.kernels` is first imported). Set it with :func:`set_backend` or the
-environment variable ``NVFP4_BACKEND``.
+environment variable ``NVFP4_BACKEND``, read when a backend is chosen (each quantization), not at
+import. :func:`set_auto_families` narrows the kernel families that ``auto`` runs.
 
 Random draws of the kernel path (``NVFP4_DRAWS`` / :func:`set_draws`):
 
@@ -45,6 +46,7 @@ def set_backend(name: str | None) -> None:
 
 
 def get_backend() -> str:
+    """The backend in use: the last :func:`set_backend`, else ``NVFP4_BACKEND``, else ``auto``."""
     name = _backend if _backend is not None else os.environ.get("NVFP4_BACKEND", "auto")
     return _checked(name, BACKENDS, "quantizer backend (NVFP4_BACKEND)")
 
@@ -56,6 +58,7 @@ def set_draws(name: str | None) -> None:
 
 
 def get_draws() -> str:
+    """The draw mode in use: the last :func:`set_draws`, else ``NVFP4_DRAWS``, else ``philox``."""
     name = _draws if _draws is not None else os.environ.get("NVFP4_DRAWS", "philox")
     return _checked(name, DRAWS, "draw mode (NVFP4_DRAWS)")
 
@@ -75,6 +78,7 @@ def use_backend(name: str, draws: str | None = None) -> Iterator[None]:
 
 
 def triton_available() -> bool:
+    """Whether triton imports (checked once)."""
     global _triton_ok
     if _triton_ok is None:
         try:
@@ -87,23 +91,29 @@ def triton_available() -> bool:
 
 
 FAMILIES = ("rtn", "sr", "rht", "eden", "packed")
-AUTO_FAMILIES_DEFAULT = FAMILIES
-"""Kernel families that ``auto`` runs on CUDA: all of them, each verified bit-exact against the
-reference on the H200 (docs/performance.md, "Correctness"): ``rtn`` (RTN 1×16 / 16×16, ±4/6),
-``sr``, ``rht`` (Hadamard rotation followed by RTN or SR), ``eden`` (rotation + MS-EDEN) and
-``packed`` (quantizing straight from a saved packed operand). ``NVFP4_AUTO_KERNELS`` narrows it
-(e.g. ``rtn,sr`` to run the rest on the reference)."""
+"""Kernel families: ``rtn`` (RTN 1×16 / 16×16, ±4/6), ``sr``, ``rht`` (Hadamard rotation followed
+by RTN or SR), ``eden`` (rotation + MS-EDEN) and ``packed`` (quantizing straight from a saved
+packed operand). ``auto`` runs all of them on CUDA by default, each verified bit-exact against
+the reference on the H200 (docs/performance.md, "Correctness")."""
+
+_auto_families: tuple[str, ...] = FAMILIES
+
+
+def set_auto_families(families: tuple[str, ...] | list[str] | None) -> None:
+    """The kernel families (:data:`FAMILIES`) that ``auto`` runs on CUDA, e.g. ``("rtn", "sr")``
+    to leave the others to the reference (whose operands still get the kernels' Philox draws);
+    ``None``: all of them."""
+    global _auto_families
+    fams = FAMILIES if families is None else tuple(families)
+    bad = [f for f in fams if f not in FAMILIES]
+    if bad:
+        raise ValueError(f"unknown kernel families {bad}; choose from {FAMILIES}")
+    _auto_families = fams
 
 
 def auto_families() -> tuple[str, ...]:
-    env = os.environ.get("NVFP4_AUTO_KERNELS")
-    if env is None:
-        return AUTO_FAMILIES_DEFAULT
-    fams = tuple(f.strip() for f in env.split(",") if f.strip())
-    bad = [f for f in fams if f not in FAMILIES]
-    if bad:
-        raise ValueError(f"NVFP4_AUTO_KERNELS: unknown kernel families {bad}; choose from {FAMILIES}")
-    return fams
+    """The kernel families that ``auto`` runs on CUDA (:func:`set_auto_families`)."""
+    return _auto_families
 
 
 def use_triton(t: torch.Tensor, family: str | None = None) -> bool:

@@ -7,8 +7,8 @@
 Every kernel quantizes a BF16 ``M × K`` input (or, for the ``packed source`` cases, its packed
 RTN+4/6 form, as the backward reads the saved X̂) along its rows (``A = X``) or its columns
 (``A = Xᵀ``: for the quantizers of ``quant.kernels.ops.whole_groups`` on dense sources, loaded
-by slices, ``ops.SLICED_COLS``; otherwise on the GPU the transpose pass of
-``ops.TRANSPOSE_COLS``, then the row kernel). The table shows the tile of the kernel that
+by slices; otherwise the transpose pass, then the row kernel; ``quant.kernels.KernelTuning``'s
+``sliced_sources`` and ``transpose_cols``). The table shows the tile of the kernel that
 quantizes. Time = the whole op: the amax pass (reads X, rotating it when the quantizer rotates)
 and the quantization pass (reads X again, writes BF16 values and, when ``pack``, the 4.5-bit
 form), plus the transpose where there is one. Bytes = what the amax and quantization passes move
@@ -16,8 +16,8 @@ form), plus the transpose where there is one. Bytes = what the amax and quantiza
 ``2·|X|`` read + values (+ packed codes and scales) written (post hoc MS-EDEN: one read of X,
 its values, codes and corrected scales written, the corrected scales read back). The table gives the achieved
 bandwidth as a fraction of the measured device-to-device copy bandwidth (``clone`` of the same
-input, read+write), and the time relative to that copy. Targets (issue #5): ≥ 75% for
-RTN/SR/4-6, ≥ 60% for the fused rotation + MS-EDEN.
+input, read+write), the time relative to that copy, and the share each kernel aims for
+(``target``): 75% for RTN, SR and 4/6, 60% for the fused rotations.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.cuda_graph import capture  # noqa: E402
 
 
-# Tile configs tried by --sweep, per operand layout (see quant.kernels.ops._CONFIG). "cols_groups"
+# Tile configs timed by --sweep, per operand layout (quant.kernels.tuning.LAYOUTS). "cols_groups"
 # is the column path of the quantizers that hold whole groups per thread (ops.whole_groups); the
 # other column layouts are the in-kernel transpose's, which the GPU uses only with
-# ops.TRANSPOSE_COLS off.
+# KernelTuning.transpose_cols off.
 SWEEP = {
     "rows": [(8, 128, 2), (16, 128, 2), (8, 128, 1), (16, 128, 4), (32, 128, 4)],
     "rows_2d": [(16, 128, 8), (16, 128, 4), (16, 256, 8)],
@@ -91,7 +91,7 @@ def cases(x: torch.Tensor):
     # pass (read 2, values 2, + 0.5625 with the packed form); post hoc MS-EDEN without the
     # packed form: read 2, values 2, the corrected scales and their roundings 0.5 written (the
     # align pass reads them back only for the rare groups whose values depend on the tensor
-    # scale; no codes since session 13)
+    # scale; the first pass writes no codes without the packed form)
     amax_bytes, packed_bytes = 6.0, 6.0 + 0.5625
     posthoc_bytes = 2 + 2 + 0.5
     # packed sources (the saved X̂ and Ŵ of quartet2 and tetrajet_v2): 0.5625 bytes read per
@@ -197,7 +197,7 @@ def main() -> None:
         return
     import triton
 
-    from quant.kernels import ops
+    from quant.kernels import get_tuning, ops, tuning_from_mapping, use_tuning
 
     dev = torch.device("cuda")
     x = torch.randn(a.rows, a.cols, device=dev, dtype=torch.bfloat16)
@@ -234,30 +234,28 @@ def main() -> None:
                 else "sr" if " sr" in f" {name}" else "rtn")
         groups = ops.whole_groups(mode, rot, "4/6" in name)
         src = ops.SRC_PACKED if "packed" in name else ops.SRC_DENSE
-        cols = t and not ops._transposes_first(src, t, groups, mode)
+        cols = t and not ops._transposes_first(src, t, groups, mode, get_tuning())
         return ops.layout_of(rot, cols, groups, mode)
 
     selected = [c for c in cases(x) if not a.only or any(s in c[0] for s in a.only)]
     if a.sweep is not None:
-        defaults = dict(ops._CONFIG)
         best = {}
         for lay, cfgs in SWEEP.items():
             if a.sweep and lay not in a.sweep:
                 continue
             for cfg in cfgs:
-                ops.set_block_config(lay, *cfg)
-                total = sum(run(name, target, fn, nbytes, t, cfg)
-                            for name, target, fn, nbytes in selected for t in (False, True)
-                            if layout(name, t) == lay)
+                with use_tuning(tuning_from_mapping({"tiles": {lay: cfg}})):
+                    total = sum(run(name, target, fn, nbytes, t, cfg)
+                                for name, target, fn, nbytes in selected for t in (False, True)
+                                if layout(name, t) == lay)
                 if total and total < best.get(lay, (float("inf"),))[0]:
                     best[lay] = (total, cfg)
-            ops.set_block_config(lay, *defaults[lay])
-        for lay, (total, cfg) in best.items():  # NVFP4_TILE_<LAYOUT> values
-            print(f"best {lay}: {','.join(map(str, cfg))} ({total * 1e6:.0f} µs over its kernels)")
+        for lay, (total, cfg) in best.items():  # KernelTuning(tiles={lay: cfg})
+            print(f"best {lay}: {cfg} ({total * 1e6:.0f} µs over its kernels)")
     else:
         for name, target, fn, nbytes in selected:
             for t in (False, True):
-                run(name, target, fn, nbytes, t, ops._CONFIG[layout(name, t)])
+                run(name, target, fn, nbytes, t, get_tuning().tiles[layout(name, t)])
     print("\n" + "\n".join(rows))
 
 

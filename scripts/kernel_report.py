@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quant.kernels import ops  # noqa: E402
+from quant.kernels import get_tuning, ops  # noqa: E402
 from quant.kernels import triton_kernels as K  # noqa: E402
 
 POINTERS = {"x_ptr": "*bf16", "xs_ptr": "*u8", "scale_ptr": "*fp32", "signs_ptr": "*i8",
@@ -52,7 +52,7 @@ def ptxas_path() -> Path:
 def report(name: str, tile: tuple[int, int, int], cols: bool, draws: str = "philox") -> dict:
     """Compile one kernel variant for sm_90 and read its resource usage. ``draws``: the Philox
     path (``RAND=1``, an int64 key) or explicit uniforms (``RAND=0``, which the launcher passes
-    an FP32 placeholder for the key: a build the GPU tests need, and session 3 broke)."""
+    an FP32 placeholder for the key: the build the GPU tests run)."""
     mode, rot, four_six, posthoc = KERNELS[name]
     bm, bk, warps = tile
     t_t, t_b = ops._targets(mode, four_six)
@@ -126,8 +126,8 @@ def main() -> None:
                 tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles]
             else:
                 mode, _, four_six, _ = KERNELS[name]
-                tiles = [ops._CONFIG[ops.layout_of(rot, dim == "cols",
-                                                   ops.whole_groups(mode, rot, four_six), mode)]]
+                tiles = [get_tuning().tiles[ops.layout_of(rot, dim == "cols",
+                                                          ops.whole_groups(mode, rot, four_six), mode)]]
             for tile in tiles:
                 r = report(name, tile, dim == "cols", a.draws)
                 if rows is None:

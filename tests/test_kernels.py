@@ -119,6 +119,21 @@ def test_interpreter_subprocess(group):
 SHAPES = [(48, 160), (144, 256)]
 
 
+def _tune(monkeypatch, tile=None, **changes):
+    """Run this test under the tuning in use with ``changes`` (fields of ``KernelTuning``;
+    ``tiles_per_program`` as one number for every layout) and, with ``tile``, that tile for
+    every layout that takes it (the on-chip transposing ``cols`` layouts need BM >= 16)."""
+    from quant.kernels import tuning
+
+    base = tuning.get_tuning()
+    if "tiles_per_program" in changes:
+        changes["tiles_per_program"] = dict.fromkeys(tuning.LAYOUTS, changes["tiles_per_program"])
+    if tile is not None:
+        changes["tiles"] = {layout: tile for layout in tuning.LAYOUTS
+                            if tile[0] >= 16 or layout not in ("cols", "cols_wide")}
+    monkeypatch.setattr(tuning, "_current", tuning.tuning_from_mapping(changes, base))
+
+
 def _data(shape, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * torch.logspace(-2, 2, shape[1])
@@ -336,12 +351,11 @@ def test_packed_source(tile, transpose):
 @pytest.mark.parametrize("source", ["dense", "strided", "packed", "packed_2d"])
 def test_rotated_columns(source, via_transpose, monkeypatch):
     """Rotated operands read across memory rows (Eᵀ, X̂ᵀ in wgrad; Ŵᵀ in dgrad), loaded by
-    row-wise slices joined in registers (``ops.SLICED_COLS``) or first made contiguous by the
-    transpose kernel (``ops.TRANSPOSE_COLS``): the reference's result for dense,
-    non-contiguous and packed (1×16 and 16×16) sources, with a ragged token count."""
-    monkeypatch.setattr(kops, "TRANSPOSE_COLS", via_transpose)
-    monkeypatch.setattr(kops, "SLICED_COLS", frozenset() if via_transpose else
-                        kops._sliced_sources("dense,packed,packed_2d"))
+    row-wise slices joined in registers (``KernelTuning.sliced_sources``) or first made
+    contiguous by the transpose kernel (``KernelTuning.transpose_cols``): the reference's result
+    for dense, non-contiguous and packed (1×16 and 16×16) sources, with a ragged token count."""
+    _tune(monkeypatch, transpose_cols=via_transpose,
+          sliced_sources=() if via_transpose else ("dense", "packed", "packed_2d"))
     x = _data((160, 144), seed=31)
     signs = random_signs(16, torch.Generator().manual_seed(32), "cpu")
     u = torch.rand(144, 160, generator=torch.Generator().manual_seed(33))
@@ -370,7 +384,7 @@ def test_gpu_tile_shapes(tile, monkeypatch):
     covered by whole tiles, so the mask-free (EVEN) path runs. On the GPU these are the configs
     in use anyway."""
     if not CUDA:
-        monkeypatch.setitem(kops._CONFIG, "interpret", tile)
+        _tune(monkeypatch, tile)
     x = _data((48, 256), seed=41)
     for t in (False, True):
         a = _logical(x, t)
@@ -383,46 +397,23 @@ def test_gpu_tile_shapes(tile, monkeypatch):
     _check(K.rtn_2d(x.to(DEV), False, True), quantize_rtn_2d(x, four_over_six=True))
 
 
-def test_kernel_options_refuse_bad_values():
-    """Tile overrides (``NVFP4_TILE_<LAYOUT>``) that the kernels cannot run are refused with the
-    reason: an unknown layout, sizes that are not powers of two, sliced columns of one row; so
-    are an ``NVFP4_TILES_PER_PROGRAM`` that is not a positive integer and an unknown entry in
-    ``NVFP4_SLICED_COLS``."""
-    with pytest.raises(ValueError, match="unknown layout"):
-        kops.set_block_config("diagonal", 8, 128, 1)
-    with pytest.raises(ValueError, match="powers of two"):
-        kops.set_block_config("rows", 12, 128, 4)
-    with pytest.raises(ValueError, match="BM >= 2"):
-        kops.set_block_config("cols_eden", 1, 128, 1)
-    for bad in ("0", "four", "-2"):
-        with pytest.raises(ValueError, match="NVFP4_TILES_PER_PROGRAM"):
-            kops._tiles_override(bad)
-    assert kops._tiles_override("") is None and kops._tiles_override("4") == 4
-    for bad in ("dense,sparse", "packed:eden"):
-        with pytest.raises(ValueError, match=f"unknown entry '{bad.split(',')[-1]}'"):
-            kops._sliced_sources(bad)
-    assert kops._sliced_sources("") == frozenset()
-    assert kops._sliced_sources("dense,packed:ms_eden") == {(kops.SRC_DENSE, None),
-                                                            (kops.SRC_PACKED, "ms_eden")}
+def test_sliced_sources_choose_the_column_path():
+    """Which column operands take the transpose pass (``ops._transposes_first``): with
+    ``sliced_sources=("dense", "packed")`` none of the dense or 1×16 packed ones under a
+    whole-group quantizer, but the 16×16 packed ones do; plain RTN (not whole groups) always
+    does. By default (``("dense",)``) every packed one does; with ``transpose_cols`` off none."""
+    from quant.kernels.tuning import GPU_TUNING, KernelTuning
 
-
-def test_sliced_sources_choose_the_column_path(monkeypatch):
-    """Which column operands take the transpose pass (``ops._transposes_first``): under
-    ``NVFP4_SLICED_COLS=dense,packed:ms_eden`` none of the dense ones, the packed ones under
-    MS-EDEN neither (sliced), but the packed ones under SR do; plain RTN (not whole groups)
-    always does. By default (``dense``) every packed one does."""
-    monkeypatch.setattr(kops, "TRANSPOSE_COLS", True)
-    monkeypatch.setattr(kops, "SLICED_COLS", kops._sliced_sources("dense,packed:ms_eden"))
     first = kops._transposes_first
-    assert not first(kops.SRC_DENSE, True, True, "sr")
-    assert not first(kops.SRC_PACKED, True, True, "ms_eden")
-    assert first(kops.SRC_PACKED, True, True, "sr")
-    assert first(kops.SRC_PACKED_2D, True, True, "ms_eden")
-    assert first(kops.SRC_DENSE, True, False, "rtn")
-    assert not first(kops.SRC_DENSE, False, True, "sr")  # rows never
-    monkeypatch.setattr(kops, "SLICED_COLS", kops._sliced_sources("dense"))
-    assert first(kops.SRC_PACKED, True, True, "ms_eden")
-    assert not first(kops.SRC_DENSE, True, True, "ms_eden")
+    t = KernelTuning(sliced_sources=("dense", "packed"))
+    assert not first(kops.SRC_DENSE, True, True, "sr", t)
+    assert not first(kops.SRC_PACKED, True, True, "ms_eden", t)
+    assert first(kops.SRC_PACKED_2D, True, True, "ms_eden", t)
+    assert first(kops.SRC_DENSE, True, False, "rtn", t)
+    assert not first(kops.SRC_DENSE, False, True, "sr", t)  # rows never
+    assert first(kops.SRC_PACKED, True, True, "ms_eden", GPU_TUNING)
+    assert not first(kops.SRC_DENSE, True, True, "ms_eden", GPU_TUNING)
+    assert not first(kops.SRC_PACKED, True, True, "sr", KernelTuning(transpose_cols=False))
 
 
 @pytest.mark.parametrize("transpose", [False, True])
@@ -433,9 +424,7 @@ def test_shared_eden_draws(posthoc, transpose, monkeypatch):
     ``philox_uniforms``, which computes each group's on its own: a 10×1024 operand (rows, or
     the columns of a 1024×10 tensor) has two blocks per row and a partial last row of 4-row
     tiles."""
-    monkeypatch.setattr(kops, "_TILES_OVERRIDE", 4)
-    if not CUDA:
-        monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
+    _tune(monkeypatch, None if CUDA else (4, 128, 1), tiles_per_program=4)
     assert kops._shares_draws(4, 128, "ms_eden", 1, 1024)
     assert not kops._shares_draws(4, 128, "ms_eden", 1, 1280)  # K % 512 != 0
     x = _data((1024, 10) if transpose else (10, 1024), seed=47)
@@ -466,9 +455,7 @@ def test_tiles_per_program(tiles, monkeypatch):
     is 24 tiles, so 5 per program leaves a partial last program; the post hoc maximum and the
     rotated amax pass (RHT32 + SR) are reduced over each program's tiles, not taken from its
     last."""
-    monkeypatch.setattr(kops, "_TILES_OVERRIDE", tiles)
-    if not CUDA:
-        monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
+    _tune(monkeypatch, None if CUDA else (4, 128, 1), tiles_per_program=tiles)
     x = _data((48, 256), seed=44)
     x[0, 200] = 1e4  # the tensor's maximum, in tile 1 of the first program: not its last
     seed = torch.tensor([123456789], dtype=torch.int64, device=DEV)
@@ -488,14 +475,11 @@ def test_tiles_per_program(tiles, monkeypatch):
 def test_posthoc_sparse_fixes(tiles, transpose, monkeypatch):
     """Without the packed form, post hoc alignment's second pass fixes only the tiles of the
     first-pass programs whose least positive corrected scale needs it (``eden_align_kernel``
-    reading ``_ALIGN_MINIMA`` minima per program): two rows 2^-30 below the rest (as the query
+    reading ``KernelTuning.align_minima`` minima per program): two rows 2^-30 below the rest (as the query
     gradient of a sequence's first token), in the last tiles of a middle program and in the
     partial last program (48×256 in 4×128 tiles: 24 tiles, 5 per program), with 4 minima per
     align program so that the fixes fall to different align programs."""
-    monkeypatch.setattr(kops, "_TILES_OVERRIDE", tiles)
-    monkeypatch.setattr(kops, "_ALIGN_MINIMA", (4, 1))
-    if not CUDA:
-        monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
+    _tune(monkeypatch, None if CUDA else (4, 128, 1), tiles_per_program=tiles, align_minima=(4, 1))
     a = _data((48, 256), seed=49)
     a[[17, 46]] *= 2.0**-30
     x = a.t().contiguous() if transpose else a
@@ -616,10 +600,7 @@ def test_non_finite_posthoc_rewrites_every_program(monkeypatch):
     without the packed form's scales) rewrites the values of every program to NaN. 16×256 in
     4×128 tiles, 5 tiles per program: two first-pass programs, the NaN in the second; one
     minimum per align program, so the first align program fixes a program with no NaN."""
-    monkeypatch.setattr(kops, "_TILES_OVERRIDE", 5)
-    monkeypatch.setattr(kops, "_ALIGN_MINIMA", (1, 1))
-    if not CUDA:
-        monkeypatch.setitem(kops._CONFIG, "interpret", (4, 128, 1))
+    _tune(monkeypatch, None if CUDA else (4, 128, 1), tiles_per_program=5, align_minima=(1, 1))
     x = _data((16, 256), seed=72)
     x[13, 200] = math.nan
     signs = random_signs(128, torch.Generator().manual_seed(73), "cpu")
@@ -678,12 +659,14 @@ def test_backend_choice(monkeypatch):
         backend.set_backend("cuda")
     monkeypatch.delenv("NVFP4_BACKEND")
     assert backend.auto_families() == backend.FAMILIES  # every family is verified on the H200
-    monkeypatch.setenv("NVFP4_AUTO_KERNELS", "rtn, sr")
+    monkeypatch.setattr(backend, "_auto_families", backend.FAMILIES)
+    backend.set_auto_families(["rtn", "sr"])
     assert backend.auto_families() == ("rtn", "sr")
     assert not backend.use_triton(torch.zeros(1, device=DEV), "eden")
-    monkeypatch.setenv("NVFP4_AUTO_KERNELS", "rtn,mx")
     with pytest.raises(ValueError, match="mx"):
-        backend.auto_families()
+        backend.set_auto_families(("rtn", "mx"))
+    backend.set_auto_families(None)
+    assert backend.auto_families() == backend.FAMILIES
 
 
 def _run_linear(scheme, x, w, dy, autocast, layer=2):
@@ -757,7 +740,7 @@ def test_function_non_finite_matches_reference(name, where):
 
 def test_philox_stream_on_both_paths():
     """An operand drawn from a ``PhiloxStream`` gets the kernel's draws on the reference path too
-    (materialised by ``philox_uniforms``): what runs when ``NVFP4_AUTO_KERNELS`` leaves one
+    (materialised by ``philox_uniforms``): what runs when ``backend.set_auto_families`` leaves one
     operand of a GEMM to the reference. MS-EDEN with Philox signs, and SR."""
     if CUDA:
         pytest.skip("compares the reference on the same device bit for bit: CPU only")

@@ -3,9 +3,10 @@
 Each op has a fake (meta) implementation, so the ops are opaque to ``torch.compile`` and work
 under it. All ops quantize a *logical* 2-D operand ``A`` along its last dim (the reduction dim):
 ``A = x`` or, with ``transpose=True``, ``A = xᵀ`` (read across memory rows: by row-wise slices
-joined in registers for the quantizers of :func:`whole_groups`, :data:`SLICED_COLS`; otherwise
-transposed on chip by the quantization kernel or, on the GPU, by one transpose pass first,
-:data:`TRANSPOSE_COLS`). Outputs, in the layout of ``A`` (``M × K``):
+joined in registers for the quantizers of :func:`whole_groups`, or made contiguous by one
+transpose pass first, or transposed on chip by the quantization kernel, as the
+:class:`~quant.kernels.tuning.KernelTuning` in use says). Outputs, in the layout of ``A``
+(``M × K``):
 
 * ``values``: BF16 ``q · s_block`` (exact), the GEMM-ready operand; with ``posthoc`` (MS-EDEN's
   post hoc range alignment, whose tensor scale is a power of two) ``q · s_block · s_tensor``,
@@ -30,7 +31,9 @@ from __future__ import annotations
 
 import functools
 import math
-import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Optional
 
 import numpy as np
@@ -41,6 +44,7 @@ from ..format import E2M1_MAX, E4M3_MAX, GROUP
 from ..quantizers import EDEN_SCALE_MAX, EDEN_TARGET, FOUR_OVER_SIX_SCALE_MAX, SR_TARGET
 from . import triton_kernels as K
 from .interpreter import interpreting, patch_interpreter
+from .tuning import KernelTuning, get_tuning
 
 _INTERPRET = interpreting()
 """Whether the kernels were decorated for triton's CPU interpreter (decided at import)."""
@@ -52,56 +56,10 @@ SRC_DENSE, SRC_PACKED, SRC_PACKED_2D = 0, 1, 2
 # quant_kernel's MODE per quantizer name.
 MODES = {"rtn": K.MODE_RTN, "rtn_2d": K.MODE_RTN, "sr": K.MODE_SR, "ms_eden": K.MODE_EDEN}
 
-# Tiles ``[BM, BK]`` and warps per layout of the logical operand (chosen from offline sm_90
-# register/shared-memory reports and the H200 sweep of scripts/bench_kernels.py --sweep):
-# "rows": A's rows are contiguous (groups along memory); "rows_2d": the same with 16×16 scale
-# tiles (BM is 16); "rows_wide": the same for rotations of 32 or more, whose butterfly stages
-# across groups stay inside one warp only when a warp's lanes cover the rows and groups of its
-# tile (8 rows: each thread holds two 16-groups; session 12, RHT32+SR 16384×4096 rows
-# 202.8 µs against 212.8 with 4 rows), and "rows_eden", the same for MS-EDEN, with 4 rows (one
-# group per thread: 147.4 µs post hoc against 170.0 with 8 rows, whose 168 registers cost more
-# than its fewer instructions per element save); "cols": A = Xᵀ (or a transposed packed tensor),
-# loaded in memory order ``[BK, BM]`` and transposed on chip, BM ≥ 16 (a packed tile holds whole
-# 16-groups of its rows); "cols_wide": the same for rotations over 16 (on the GPU these column
-# operands are transposed first and use the row layouts: these two layouts serve only with
-# TRANSPOSE_COLS off); "cols_groups": A read across memory rows by the whole-group quantizers,
-# loaded by row-wise slices (``_load_groups_cols``: a thread holds two groups of one row, r and
-# r + R/2 of a chunk, for dense sources with R ≥ 2 but RTN+4/6, else one group of each of two
-# rows), and "cols_eden", the same tile for MS-EDEN. BK must
-# be a multiple of the rotation size (it is raised to it). The interpreter runs ~8 ms per
-# program instance, so it gets large tiles.
-# ``NVFP4_TILE_<LAYOUT>=BM,BK,WARPS`` (e.g. ``NVFP4_TILE_ROWS=16,128,4``) overrides a layout's
-# tile at import.
-_CONFIG = {"rows": (8, 128, 2), "rows_2d": (16, 128, 8), "rows_wide": (8, 128, 1),
-           "rows_eden": (4, 128, 1), "cols": (32, 64, 4), "cols_wide": (16, 128, 4),
-           "cols_groups": (8, 128, 1), "cols_eden": (8, 128, 1), "interpret": (128, 256, 4)}
-
-
-_TILES_PER_PROGRAM = {"rows": 4, "rows_wide": 4, "rows_eden": 4, "cols_groups": 4, "cols_eden": 4,
-                      "interpret": 2}
-"""Consecutive tiles (along K, then M) that one program of ``quant_kernel`` quantizes in a loop,
-per layout (default 1: a 2-D grid of one tile per program). Looping puts the Hadamard signs, the
-Philox key and the post hoc ``atomic_max`` once per program. It pays for the one-warp tiles of
-the wide rotations: post hoc MS-EDEN 16384×4096 on the H200 (session 6, two runs each) took
-174.3 / 173.6 µs with 1 tile per program and 162.3 / 162.5 with 4 (rows; 8 and 32 were slower
-than 4 in another run), RHT32+SR the same (287 / 288 µs); the 4-warp RTN and 4/6 tiles then
-gained nothing. The rows below a rotation of 32 (session 10, µs): two-warp 8-row tiles looping
-over 4 gave RTN 146.1 against 162.8 with one 16-row 4-warp tile per program, RTN+4/6 228.4
-against 237.8, SR 184.6 against 187.3 (16-row 4-warp tiles looping over 4: 151.0, 239.7, 183.5).
-The sliced columns (session 8, 16384×4096 columns): 4 tiles per program for SR, 4/6 and
-RHT16/32 (RHT16+RTN 202.6 µs against 214.6 with 1, RHT16+SR 246–251 against 265.5, RTN+4/6 269.3
-against 303.1), then 1 for MS-EDEN (post hoc 177.2–177.8 µs against 198.1–198.3 with 4; session
-13: 151.1 against 151.5). Since MS-EDEN's four tiles of a program share their draws (session 14),
-4 for its columns too: 16384×3072 columns 114.3 against 116.5 µs with 1, the 1.9b quartet2 step
-403.2 against 405.3 ms (one call each, session 15; the 100m step 46.4 both). The
-interpreter runs 2, so that the loop and a program's partial last group are tested.
-``NVFP4_TILES_PER_PROGRAM`` overrides every layout."""
-
 
 def _cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` in Python. (``triton.cdiv`` is a jit function, so each host call goes
-    through triton's launcher machinery: dropping it took the host time of a post hoc MS-EDEN
-    quantization of a column operand from 56 to 42 µs, launches excluded, session 6.)"""
+    """``ceil(a / b)`` in Python (``triton.cdiv`` is a jit function: each host call of it goes
+    through triton's launcher machinery)."""
     return -(-a // b)
 
 
@@ -111,41 +69,18 @@ def _grid(M: int, Kd: int, bm: int, bk: int, tiles: int) -> tuple[int, ...]:
     return grid if tiles == 1 else (_cdiv(grid[0] * grid[1], tiles),)
 
 
-_ALIGN_TILE = {"gpu": (32, 8, 4), "interpret": (128, 16, 4)}
-"""(rows, groups of 16, warps) of the tiles of MS-EDEN's post hoc align pass when it writes the
-packed form's scales (it then reads every group's rounded scale)."""
-
-_ALIGN_PROGRAMS_PER_SM = 4
-"""That pass's programs per SM (one program in the interpreter); they stride over the tiles."""
-
-_ALIGN_MINIMA = (128, 8)
-"""(first-pass programs whose least positive corrected scale one program of the align pass reads
-when it writes no scales, its warps); most calls have nothing to fix and exit after that load.
-H200, the align pass of 16384×3072 rows (µs, session 15): 1.7–2.0 with nothing to fix, 7.7 with
-every 512th row 2^-30 below the rest in its first 1024 columns (as the query gradients of the
-first tokens in qkv's E), against 1.4 and 42.5 when one tensor-wide minimum decided and the pass
-then swept every group; (32, 1) took 29.6 with such rows, (32, 4) 9.5."""
-
-
 @functools.lru_cache(maxsize=None)
-def _align_programs(device: torch.device) -> int:
-    """:data:`_ALIGN_PROGRAMS_PER_SM` times the SMs of ``device`` (1 in the interpreter)."""
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _align_programs(device: torch.device, tuning: KernelTuning) -> int:
+    """Programs of MS-EDEN's post hoc align pass when it writes scales: ``align_programs_per_sm``
+    per SM of ``device`` (one in the interpreter); they stride over the pass's tiles."""
     if _INTERPRET:
         return 1
-    return _ALIGN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def set_block_config(layout: str, bm: int, bk: int, num_warps: int) -> None:
-    """Override the tile of one layout (a key of ``_CONFIG``: ``rows``, ``rows_eden``, …)."""
-    if layout not in _CONFIG:
-        raise ValueError(f"unknown layout {layout!r}; one of {sorted(_CONFIG)}")
-    if bk % GROUP or bm & (bm - 1) or bk & (bk - 1) or num_warps & (num_warps - 1):
-        raise ValueError("BM, BK and the warps must be powers of two, BK a multiple of 16")
-    if layout in ("cols", "cols_wide") and bm < GROUP:
-        raise ValueError(f"column layouts need BM >= {GROUP} (whole 16-groups of a packed row)")
-    if layout in ("cols_groups", "cols_eden") and bm < 2:
-        raise ValueError("sliced column layouts need BM >= 2 (a packed byte holds two rows)")
-    _CONFIG[layout] = (bm, bk, num_warps)
+    return tuning.align_programs_per_sm * _sm_count(device)
 
 
 def whole_groups(mode: str, rot: int, four_over_six: bool) -> bool:
@@ -153,16 +88,18 @@ def whole_groups(mode: str, rot: int, four_over_six: bool) -> bool:
     the compute-bound quantizers (SR, 4/6, the rotations, MS-EDEN), whose per-group work then
     needs no exchange between lanes; such an operand read across memory rows is loaded by
     slices joined in registers (``_load_groups_cols``), with no transpose. Plain RTN is bound
-    by memory transactions, which contiguous 8-element vectors across lanes keep fewer, and
+    by memory transactions, which contiguous 8-element vectors across lanes keep fewer (H200,
+    16384×4096 rows, 2026-11: 161.7 µs against 178.8 with two half-group loads per thread), and
     16×16 tiles span 16 rows."""
     return (rot > 0 or four_over_six or mode != "rtn") and mode != "rtn_2d"
 
 
 def layout_of(rot: int, cols: bool, groups: bool = False, mode: str = "rtn") -> str:
-    """The ``_CONFIG`` layout of an operand rotated in chunks of ``rot`` (0: none), read along its
-    memory rows or across them (``cols``), with whole 16-groups per thread (``groups``,
-    :func:`whole_groups`), under the quantizer ``mode`` (``rtn_2d``: 16×16 scale tiles, BM 16;
-    ``ms_eden``: its own tiles for rotated rows and sliced columns)."""
+    """The layout (:data:`quant.kernels.tuning.LAYOUTS`) of an operand rotated in chunks of
+    ``rot`` (0: none), read along its memory rows or across them (``cols``), with whole
+    16-groups per thread (``groups``, :func:`whole_groups`), under the quantizer ``mode``
+    (``rtn_2d``: 16×16 scale tiles; ``ms_eden``: its own tiles for rotated rows and sliced
+    columns)."""
     if cols:
         if groups:
             return "cols_eden" if mode == "ms_eden" else "cols_groups"
@@ -174,46 +111,17 @@ def layout_of(rot: int, cols: bool, groups: bool = False, mode: str = "rtn") -> 
     return "rows"
 
 
-def _layout_in_use(layout: str) -> str:
-    """The key of ``_CONFIG`` and ``_TILES_PER_PROGRAM`` that an operand of ``layout``
-    (:func:`layout_of`) uses here: the layout, or ``interpret`` under the interpreter."""
-    return "interpret" if _INTERPRET else layout
-
-
-def _config(layout: str = "rows", rot: int = 0) -> tuple[int, int, int]:
-    """(BM, BK, num_warps) of a layout for an operand rotated in chunks of ``rot`` (0: none)."""
-    bm, bk, nw = _CONFIG[_layout_in_use(layout)]
+def _config(layout: str = "rows", rot: int = 0,
+            tuning: KernelTuning | None = None) -> tuple[int, int, int]:
+    """(BM, BK, num_warps) of a layout for an operand rotated in chunks of ``rot`` (0: none):
+    the tile of ``tuning`` (default: the tuning in use), BK raised to ``rot``."""
+    bm, bk, nw = (tuning or get_tuning()).tiles[layout]
     return bm, max(bk, rot), nw
 
 
-def _tiles_override(env: str) -> int | None:
-    """``NVFP4_TILES_PER_PROGRAM``'s value (None when unset or empty)."""
-    if not env:
-        return None
-    if not env.isdigit() or int(env) < 1:
-        raise ValueError(f"NVFP4_TILES_PER_PROGRAM={env!r}: expected a positive integer")
-    return int(env)
-
-
-_TILES_OVERRIDE = _tiles_override(os.environ.get("NVFP4_TILES_PER_PROGRAM", ""))
-"""Tiles per program for every layout, from ``NVFP4_TILES_PER_PROGRAM`` (read at import: this
-is on the host path of every quantization)."""
-
-
-def _tiles_per_program(layout: str) -> int:
-    """:data:`_TILES_PER_PROGRAM` of a layout (or :data:`_TILES_OVERRIDE`)."""
-    if _TILES_OVERRIDE is not None:
-        return _TILES_OVERRIDE
-    return _TILES_PER_PROGRAM.get(_layout_in_use(layout), 1)
-
-
-for _layout in list(_CONFIG):
-    _env = os.environ.get(f"NVFP4_TILE_{_layout.upper()}")
-    if _env:
-        try:
-            set_block_config(_layout, *(int(v) for v in _env.split(",")))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"NVFP4_TILE_{_layout.upper()}={_env!r}: expected BM,BK,WARPS ({e})") from None
+def _tiles_per_program(layout: str, tuning: KernelTuning | None = None) -> int:
+    """Tiles per program of a layout under ``tuning`` (default: the tuning in use)."""
+    return (tuning or get_tuning()).tiles_per_program[layout]
 
 
 def _f32(v: float) -> float:
@@ -274,11 +182,12 @@ def tile_meta(bm: int, bk: int, rot: int, tile2d: bool = False) -> dict:
     return dict(BM=GROUP if tile2d else bm, CH=bk // (r * GROUP), R=r, LOG_R=int(math.log2(r)) if rot else 0)
 
 
-def _tiling(layout: str, rot: int, tile2d: bool = False) -> tuple[dict, int, int, int]:
+def _tiling(layout: str, rot: int, tuning: KernelTuning,
+            tile2d: bool = False) -> tuple[dict, int, int, int]:
     """Tile meta-parameters (:func:`tile_meta`), BK, num_warps and tiles per program of an
-    operand of ``layout`` (:func:`layout_of`) rotated in chunks of ``rot``."""
-    bm, bk, nw = _config(layout, rot)
-    return tile_meta(bm, bk, rot, tile2d), bk, nw, _tiles_per_program(layout)
+    operand of ``layout`` (:func:`layout_of`) rotated in chunks of ``rot``, under ``tuning``."""
+    bm, bk, nw = _config(layout, rot, tuning)
+    return tile_meta(bm, bk, rot, tile2d), bk, nw, _tiles_per_program(layout, tuning)
 
 
 def _is_cols(src: int, stride_k: int, pt: bool) -> bool:
@@ -291,8 +200,8 @@ _COMPILED: dict = {}
 after a launch through triton's ``JITFunction.run`` compiled (or found) a kernel, later launches
 with the same key call its launcher directly. ``JITFunction.run`` spent about 66 µs of host
 time per launch on the H200's host (binding and specializing the arguments, the cache key, the
-launch metadata; cProfile of a compiled 100m quartet2 step, session 7), a compiled step without
-a CUDA graph makes about 480 launches, and such a step was bound by its host."""
+launch metadata; cProfile of a compiled 100m quartet2 step, 2026-11), and a compiled step
+without a CUDA graph makes about 480 launches."""
 
 
 def _launch_key(kernel, num_warps: int, meta: dict, args: tuple) -> tuple:
@@ -337,13 +246,15 @@ def _whole_tiles(M: int, Kd: int, bm: int, bk: int) -> bool:
 
 
 def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
+    """``max |A|`` (FP32 0-dim) of the logical operand, rotated by ``signs`` when given (SPEC
+    §2, the tensor scale's amax); :func:`amax_kernel` with the row or sliced column tiles."""
     M, Kd, sm, sk, pc, pt = _operand(x, src, transpose)
     rot, inv, signs = _rotation(signs)
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     if M == 0 or Kd == 0:
         return out
     cols = _is_cols(src, sk, pt)  # a column operand is read by slices (whole_groups)
-    meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups=cols), rot)
+    meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups=cols), rot, get_tuning())
     _launch(K.amax_kernel, _grid(M, Kd, meta["BM"], bk, tiles), x, x_scales if x_scales is not None else x,
             in_scale if in_scale is not None else out, signs if signs is not None else out, out,
             M, Kd, sm, sk, pc, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None, ROT=rot,
@@ -357,60 +268,21 @@ def _out_shapes(M: int, Kd: int, mode: str, values: bool, pack: bool):
     return ((M, Kd) if values else (0,)), ((M, Kd // 2) if pack else (0,)), (sc if pack else (0,))
 
 
-TRANSPOSE_COLS = not _INTERPRET and os.environ.get("NVFP4_TRANSPOSE_COLS", "1") != "0"
-"""On the GPU (``NVFP4_TRANSPOSE_COLS=0`` turns it off), quantize an operand read across memory
-rows (``A = Xᵀ``, or a transposed packed tensor) that is not loaded by slices (:data:`SLICED_COLS`)
-from a contiguous ``A`` made by :func:`transpose_kernel` (one coalesced read and write) rather
-than in the quantization kernels' on-chip transpose. Both give the same bits (tests run both).
-With triton 3.6 on the H200 the on-chip transpose costs more than the pass: over the ten kernels
-of ``scripts/bench_kernels.py`` at their best column tiles, 4742 µs against 2975 µs transposing
-first (session 5; docs/performance-history.md). The interpreter uses the kernels' column paths."""
-_TRANSPOSE_TILE = (64, 64, 4)
-
-_SOURCE_NAMES = {"dense": SRC_DENSE, "packed": SRC_PACKED, "packed_2d": SRC_PACKED_2D}
+_SOURCE_KINDS = ("dense", "packed", "packed_2d")
+"""Source kinds by ``SRC_*`` number, as :attr:`KernelTuning.sliced_sources` names them."""
 
 
-def _sliced_sources(spec: str) -> frozenset:
-    """``(source kind, quantizer or None for every quantizer)`` pairs from the comma-separated
-    entries ``kind`` or ``kind:quantizer`` (kinds ``dense``, ``packed``, ``packed_2d``; quantizers
-    as :data:`MODES`)."""
-    pairs = set()
-    for entry in filter(None, spec.split(",")):
-        kind, _, mode = entry.partition(":")
-        if kind not in _SOURCE_NAMES or (mode and mode not in MODES):
-            raise ValueError(
-                f"NVFP4_SLICED_COLS={spec!r}: unknown entry {entry!r}; use comma-separated "
-                f"source kinds {sorted(_SOURCE_NAMES)}, each optionally with ':' and one of the "
-                f"quantizers {sorted(MODES)}, or empty for none")
-        pairs.add((_SOURCE_NAMES[kind], mode or None))
-    return frozenset(pairs)
+def _transposes_first(src: int, cols: bool, groups: bool, mode: str,
+                      tuning: KernelTuning) -> bool:
+    """Whether an operand read across memory rows is made contiguous by ``transpose_kernel``
+    before quantizing (:attr:`KernelTuning.transpose_cols`), rather than loaded by slices (the
+    whole-group quantizers of ``mode`` on a source kind of :attr:`KernelTuning.sliced_sources`)
+    or transposed on chip. ``mode`` is part of the decision for the whole-group test only."""
+    sliced = groups and _SOURCE_KINDS[src] in tuning.sliced_sources
+    return cols and tuning.transpose_cols and not sliced
 
 
-SLICED_COLS = _sliced_sources(os.environ.get("NVFP4_SLICED_COLS", "dense"))
-"""Which column operands, under a quantizer that holds whole groups per thread
-(:func:`whole_groups`), the quantization kernel loads by row-wise slices joined in registers
-(``_load_groups_cols``: no transpose pass, no on-chip transpose), as ``(source kind,
-quantizer)`` pairs (quantizer None: all); the others are transposed first under
-:data:`TRANSPOSE_COLS` (without it, whole-group quantizers load every column operand by
-slices). By default the dense sources only. Packed sources (the saved X̂ and Ŵ) are
-transposed first: a thread of the slices holds one group of each of two rows (a byte holds
-two), so every stage of a rotation chunk's butterfly crosses lanes, and the decoding adds
-about 13 SASS instructions per element. H200 (session 14), quartet2's X̂ᵀ in a compiled 100m
-step: 52.4 µs against 59.2 sliced at 16384×1024, 129.8 against 133.0 at 16384×2816; the
-steps 46.5 / 46.6 ms against 46.8 / 46.7 sliced, 1.9b 400.6 against 401.1 ms (peak memory
-59.2 GiB both). (Session 8 had measured the two even: 215.1 against 214.1 µs at 16384×4096;
-the row kernels have since become faster.) Packed sources under SR took 311.1 µs against
-274.7 transposed first. ``NVFP4_SLICED_COLS`` (comma-separated ``kind`` or
-``kind:quantizer``; empty for none) overrides it."""
-
-
-def _transposes_first(src: int, cols: bool, groups: bool, mode: str) -> bool:
-    """Whether an operand is made contiguous by :func:`transpose_kernel` before quantizing."""
-    sliced = groups and ((src, None) in SLICED_COLS or (src, mode) in SLICED_COLS)
-    return cols and TRANSPOSE_COLS and not sliced
-
-
-def _rows_operand(x, x_scales, src, transpose, groups, mode):
+def _rows_operand(x, x_scales, src, transpose, groups, mode, tuning: KernelTuning):
     """``(x, x_scales, src, transpose)`` to quantize, its :func:`_operand` geometry and whether it
     is read across memory rows (:func:`_is_cols`): a column operand that
     :func:`_transposes_first` becomes its contiguous transpose (packed sources as their exact
@@ -418,11 +290,11 @@ def _rows_operand(x, x_scales, src, transpose, groups, mode):
     geometry = _operand(x, src, transpose)
     M, Kd, sm, sk, pc, pt = geometry
     cols = _is_cols(src, sk, pt)
-    if not _transposes_first(src, cols, groups, mode):
+    if not _transposes_first(src, cols, groups, mode, tuning):
         return x, x_scales, src, transpose, geometry, cols
     out = torch.empty((M, Kd), dtype=x.dtype if src == SRC_DENSE else torch.bfloat16, device=x.device)
     if M and Kd:
-        bm, bk, nw = _TRANSPOSE_TILE
+        bm, bk, nw = tuning.transpose_tile
         _launch(K.transpose_kernel, (_cdiv(M, bm), _cdiv(Kd, bk)), x,
                 x_scales if x_scales is not None else x, out, M, Kd, sm, sk, pc, SRC=src, BM=bm,
                 BK=bk, num_warps=nw)
@@ -433,11 +305,11 @@ def _prefetches(src: int, cols: bool, groups: bool, tiles: int, mode: str,
                 four_over_six: bool) -> bool:
     """Whether ``quant_kernel`` loads each tile of a program's loop while quantizing the one
     before (its ``PREFETCH``): for dense operands read along rows by whole groups, under RTN with
-    4/6 only (quartet2's and four_over_six's X and W). H200, 16384×4096 rows, µs (session 13):
-    RTN+4/6 212.5 → 198.7; the others kept their registers only without it, and were slower
-    with it: post hoc MS-EDEN 149.8 → 157.7 (96 registers instead of 72; 150.8 with 80 at
-    most), RHT32+SR 203.5 → 205.8 (212 instead of 168), RHT16+RTN 136.0 → 142.0, RHT16+SR
-    206.8 → 211.2, SR 182.1 → 184.4."""
+    4/6 only (quartet2's and four_over_six's X and W). H200, triton 3.6, 16384×4096 rows,
+    2026-11, µs: RTN+4/6 212.5 with prefetching against 198.7 without; the other quantizers
+    take more registers with it and are slower: post hoc MS-EDEN 157.7 against 149.8 (96
+    registers instead of 72), RHT32+SR 205.8 against 203.5 (212 instead of 168), RHT16+RTN
+    142.0 against 136.0, RHT16+SR 211.2 against 206.8, SR 184.4 against 182.1."""
     return (tiles > 1 and src == SRC_DENSE and groups and not cols and mode == "rtn"
             and four_over_six)
 
@@ -450,12 +322,82 @@ def _shares_draws(tiles: int, bk: int, mode: str, rand: int, Kd: int) -> bool:
     return tiles == 4 and bk == 128 and mode == "ms_eden" and rand == 1 and Kd % 512 == 0
 
 
+@dataclass(frozen=True)
+class AlignPlan:
+    """The launch of ``eden_align_kernel``, MS-EDEN's post hoc align pass (SPEC §2, MS-EDEN
+    steps 5'–6'): with the packed form's scales, ``tiles`` tiles of groups that a 1-D grid of at
+    most :func:`_align_programs` programs strides over; without, one program per
+    ``align_minima[0]`` first-pass programs (``tiles`` programs)."""
+
+    tiles: int
+    strided: bool
+    num_warps: int
+    constexprs: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """The launch of one quantization by ``quant_kernel``, decided once per operand geometry,
+    quantizer and :class:`KernelTuning` (:func:`plan_quantize`, cached): the grid, the warps,
+    the kernel's compile-time parameters (``constexprs``, in call order), the first-pass
+    programs ``n_prog`` and their tiles per program, and the post hoc align pass (``align``)."""
+
+    grid: tuple[int, ...]
+    num_warps: int
+    constexprs: Mapping[str, object]
+    n_prog: int
+    tiles: int
+    align: Optional[AlignPlan]
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_quantize(M: int, Kd: int, src: int, cols: bool, rot: int, mode: str,
+                  four_over_six: bool, rand: int, has_scale: bool, values: bool, pack: bool,
+                  posthoc: bool, tuning: KernelTuning) -> QuantPlan:
+    """The :class:`QuantPlan` of an ``M × Kd`` logical operand of source kind ``src``, read
+    across memory rows (``cols``) or along them, rotated in chunks of ``rot`` (0: none), under
+    the quantizer ``mode`` (``four_over_six``; draws explicit ``rand=0`` or Philox ``1``; an
+    FP32 input scale ``has_scale``), writing the BF16 values, the packed form, with post hoc
+    range alignment, under ``tuning``."""
+    groups = whole_groups(mode, rot, four_over_six)
+    tile2d = mode == "rtn_2d"
+    meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups, mode), rot, tuning, tile2d)
+    grid = _grid(M, Kd, meta["BM"], bk, tiles)
+    t_tensor, t_block = _targets(mode, four_over_six)
+    constexprs = dict(
+        T_TENSOR=t_tensor, T_BLOCK=t_block, SRC=src, COLS=cols, HAS_SCALE=has_scale, ROT=rot,
+        INV_SQRT=_inv_sqrt(rot) if rot else 1.0, MODE=MODES[mode], FOUR_SIX=four_over_six,
+        TILE2D=tile2d, RAND=rand, WRITE_VALUES=values, PACK=pack, POSTHOC=posthoc,
+        EVEN=_whole_tiles(M, Kd, meta["BM"], bk), GROUPS=groups, TILES=tiles,
+        PREFETCH=_prefetches(src, cols, groups, tiles, mode, four_over_six),
+        SHARED_U=_shares_draws(tiles, bk, mode, rand, Kd), **meta)
+    n_prog = math.prod(grid)
+    align = None
+    if posthoc:
+        bm, g, align_warps = tuning.align_tile
+        per_program, minima_warps = tuning.align_minima
+        if pack:  # a grid that strides over [bm, g] tiles of groups
+            align_tiles, strided = _cdiv(M, bm) * _cdiv(Kd // GROUP, g), True
+        else:  # a program per `per_program` first-pass programs
+            align_tiles, strided, align_warps = _cdiv(n_prog, per_program), False, minima_warps
+        align = AlignPlan(align_tiles, strided, align_warps, MappingProxyType(dict(
+            RAND=rand, SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
+            BM=bm, G=g, V=per_program, Q_BM=meta["BM"], Q_G=bk // GROUP,
+            Q_T=1 << (tiles - 1).bit_length())))
+    return QuantPlan(grid, nw, MappingProxyType(constexprs), n_prog, tiles, align)
+
+
 def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
                    stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
-    rot, inv, signs = _rotation(signs)
+    """The body of :func:`quantize_operand` (its arguments and results), which the named ops
+    and the eager path of ``quant.kernels.dispatch`` call: checks the arguments, runs the amax
+    pass unless ``amax`` or ``posthoc`` makes it unneeded, and launches the :class:`QuantPlan`
+    of the operand (:func:`_launch_quantize`)."""
+    tuning = get_tuning()
+    rot, _, signs = _rotation(signs)
     groups = whole_groups(mode, rot, four_over_six)
-    x, x_scales, src, transpose, (M, Kd, sm, sk, pc, pt), cols = _rows_operand(
-        x, x_scales, src, transpose, groups, mode)
+    x, x_scales, src, transpose, (M, Kd, sm, sk, pc, _), cols = _rows_operand(
+        x, x_scales, src, transpose, groups, mode, tuning)
     _check(M, Kd, mode, rot)
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
@@ -489,43 +431,39 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
     if mode == "ms_eden" and rot == 0:
         raise ValueError("MS-EDEN needs a rotation (signs)")
     if M and Kd:
-        t_t, t_b = _targets(mode, four_over_six)
-        tile2d = mode == "rtn_2d"
-        meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups, mode), rot, tile2d)
-        grid = _grid(M, Kd, meta["BM"], bk, tiles)
-        dummy = st
-        u_arg = uniforms if uniforms is not None else dummy
-        seed_arg = seed if seed is not None else dummy
-        rand = 0 if uniforms is not None else 1
-        # post hoc: the corrected scales, their roundings and each program's least positive one
-        # (quant_kernel's POSTHOC)
-        n_prog = math.prod(grid)
-        c = torch.empty(2 * M * (Kd // GROUP) + n_prog if posthoc else 0, dtype=torch.float32,
-                        device=dev)
-        _launch(K.quant_kernel, grid,
-                x, x_scales if x_scales is not None else x,
-                in_scale if in_scale is not None else dummy, signs if signs is not None else dummy,
-                amax, u_arg, seed_arg, val, codes, scales, st, c, M, Kd, sm, sk, pc, stream,
-                T_TENSOR=t_t, T_BLOCK=t_b, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None,
-                ROT=rot, INV_SQRT=inv, MODE=MODES[mode], FOUR_SIX=four_over_six,
-                TILE2D=tile2d, RAND=rand, WRITE_VALUES=values,
-                PACK=pack, POSTHOC=posthoc, EVEN=_whole_tiles(M, Kd, meta["BM"], bk),
-                GROUPS=groups, TILES=tiles,
-                PREFETCH=_prefetches(src, cols, groups, tiles, mode, four_over_six),
-                SHARED_U=_shares_draws(tiles, bk, mode, rand, Kd), num_warps=nw, **meta)
-        if posthoc:
-            bm, g, nw = _ALIGN_TILE["interpret" if _INTERPRET else "gpu"]
-            if pack:  # a grid that strides over [bm, g] tiles of groups
-                align_grid = min(_cdiv(M, bm) * _cdiv(Kd // GROUP, g), _align_programs(dev))
-            else:  # a program per _ALIGN_MINIMA first-pass programs
-                align_grid, nw = _cdiv(n_prog, _ALIGN_MINIMA[0]), _ALIGN_MINIMA[1]
-            _launch(K.eden_align_kernel, (align_grid,),
-                    c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, n_prog, tiles,
-                    RAND=rand,
-                    SCALES=pack, FIX_VALUES=values, EVEN=_whole_tiles(M, Kd, bm, g * GROUP),
-                    BM=bm, G=g, V=_ALIGN_MINIMA[0], Q_BM=meta["BM"], Q_G=bk // GROUP,
-                    Q_T=1 << (tiles - 1).bit_length(), num_warps=nw)
+        plan = plan_quantize(M, Kd, src, cols, rot, mode, four_over_six,
+                             0 if uniforms is not None else 1, in_scale is not None, values, pack,
+                             posthoc, tuning)
+        _launch_quantize(plan, (x, x_scales, in_scale, signs, amax, uniforms, seed, val, codes,
+                                scales, st), (M, Kd, sm, sk, pc, stream), tuning)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
+
+
+def _launch_quantize(plan: QuantPlan, tensors: tuple, scalars: tuple, tuning: KernelTuning) -> None:
+    """Launch ``quant_kernel`` and, with post hoc alignment, ``eden_align_kernel`` as ``plan``
+    says, on ``tensors`` ``(x, x_scales, in_scale, signs, amax, uniforms, seed, values, codes,
+    scales, tensor_scale)`` (absent optional ones None) and ``scalars`` ``(M, K, stride_m,
+    stride_k, P_C, stream)``."""
+    x, x_scales, in_scale, signs, amax, uniforms, seed, val, codes, scales, st = tensors
+    M, Kd, sm, sk, pc, stream = scalars
+    dummy = st  # the pointer of an absent operand (never read)
+    u_arg = uniforms if uniforms is not None else dummy
+    seed_arg = seed if seed is not None else dummy
+    # post hoc: the corrected scales, their roundings and each program's least positive one
+    # (quant_kernel's POSTHOC)
+    c = torch.empty(2 * M * (Kd // GROUP) + plan.n_prog if plan.align is not None else 0,
+                    dtype=torch.float32, device=x.device)
+    _launch(K.quant_kernel, plan.grid,
+            x, x_scales if x_scales is not None else x,
+            in_scale if in_scale is not None else dummy, signs if signs is not None else dummy,
+            amax, u_arg, seed_arg, val, codes, scales, st, c, M, Kd, sm, sk, pc, stream,
+            num_warps=plan.num_warps, **plan.constexprs)
+    a = plan.align
+    if a is not None:
+        grid = min(a.tiles, _align_programs(x.device, tuning)) if a.strided else a.tiles
+        _launch(K.eden_align_kernel, (grid,),
+                c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, plan.n_prog, plan.tiles,
+                num_warps=a.num_warps, **a.constexprs)
 
 
 def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,

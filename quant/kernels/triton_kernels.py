@@ -5,7 +5,7 @@ reduction dim). ``A`` is read through strides, so ``A = X`` and ``A = Xᵀ`` are
 an operand read across memory rows (``COLS``) is loaded as 16 row-wise slices joined in
 registers when each thread holds whole groups (``GROUPS``, :func:`_load_groups_cols`), else in
 memory order and transposed on chip (:func:`_load_tile_cols`; on the GPU the launcher may run
-:func:`transpose_kernel` first instead, ``quant.kernels.ops.TRANSPOSE_COLS``).
+:func:`transpose_kernel` first instead, ``quant.kernels.KernelTuning.transpose_cols``).
 ``A`` is either dense (any float dtype, optionally times an FP32 tensor scale) or a packed NVFP4
 tensor (two E2M1 codes per byte + E4M3 scales, 1×16 or 16×16), possibly transposed.
 
@@ -48,8 +48,8 @@ number ``stream`` as the second counter word, i.e. ``P(i) = philox(seed, (i, str
 four uint32 per call: SR element (m, k) of ``A`` (flat index ``i = m·K + k``) draws
 ``P(i // 4)[i % 4]``; MS-EDEN group g of row m draws
 ``P((m·B + g // 32)·8 + g % 8)[(g // 8) % 4]`` with ``B = ⌈K/512⌉`` blocks of 32 groups per
-row, so that the groups g, g + 8, g + 16, g + 24 of a block share one call (:func:`_eden_draw`;
-session 14, before which it drew ``P(m·(K/16) + g)[0]``); Hadamard sign j is ``+1`` when
+row, so that the groups g, g + 8, g + 16, g + 24 of a block share one call (:func:`_eden_draw`);
+Hadamard sign j is ``+1`` when
 ``P(j)[0]`` is odd. (Stream 0 is triton's ``tl.rand4x(seed, ·)`` stream.)
 :func:`rand_kernel` materialises any of them for ``i = 0..n-1``, i.e. exactly what the seeded
 path uses.
@@ -181,8 +181,9 @@ def _eden_draw(gm, g, K):
     row's groups in blocks of 32, where the four groups of a block with the same ``g % 8``
     share a call and take its outputs ``(g // 8) % 4``. A program of :func:`quant_kernel` that
     quantizes four consecutive 128-column tiles of one block then draws once for all four (its
-    ``SHARED_U``): rows of post hoc MS-EDEN at 16384×4096 on the H200 130.7 → 122.6–123.8 µs,
-    47.1 → 42.9 SASS instructions per element in the loop (session 14)."""
+    ``SHARED_U``): rows of post hoc MS-EDEN at 16384×4096 on an H200 (triton 3.6, 2026-11) took
+    122.6–123.8 µs and 42.9 SASS instructions per element in the loop, against 130.7 µs and
+    47.1 when each group drew its own call."""
     return (gm * ((K // 16 + 31) // 32) + g // 32) * 8 + g % 8, (g // 8) % 4
 
 
@@ -234,9 +235,10 @@ def _rtn_e2m1(v, M_BITS: tl.constexpr):
     M is ``1.5 · 2^(22 + e)`` for a's binary exponent e clamped to [0, 2]. With M_BITS it is
     built on the bit pattern (a's exponent field, at least 1.0's, plus 22 in the exponent and
     M's mantissa bit: three integer instructions), else selected by comparing a with 2 and 4
-    (two compares, two selects). The same M either way; H200, 16384×4096 (session 12): the bit
-    pattern took RTN+4/6 rows from 224.4 to 212.3 µs and RTN 1×16 from 141.9 to 138.0, but post
-    hoc MS-EDEN rows from 147.3 to 152.0 (93 registers instead of 72), so MS-EDEN selects."""
+    (two compares, two selects). The same M either way; H200, triton 3.6, 16384×4096, 2026-11:
+    with the bit pattern RTN+4/6 rows take 212.3 µs against 224.4 selecting, RTN 1×16 138.0
+    against 141.9, but post hoc MS-EDEN rows 152.0 against 147.3 (93 registers instead of 72),
+    so MS-EDEN selects."""
     a = tl.minimum(tl.abs(v), 6.0)
     if M_BITS:
         mb = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + 0x0B400000
@@ -394,7 +396,7 @@ def _chunk_sum(v, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl
 def _next_tile(pid_m, pid_k, n_k):
     """The tile after ``(pid_m, pid_k)`` in a program's loop (along K, then M; ``n_k`` tiles per
     row of tiles): an increment, where ``t // n_k`` and ``t % n_k`` cost an integer division
-    (about 30 instructions per tile, 2 per element of a one-warp tile; session 13)."""
+    (about 30 instructions per tile, 2 per element of a one-warp tile, in the sm_90 build)."""
     wrap = pid_k + 1 == n_k
     return tl.where(wrap, pid_m + 1, pid_m), tl.where(wrap, 0, pid_k + 1)
 
@@ -598,12 +600,12 @@ def _load_groups_cols(x_ptr, xs_ptr, pid_m, pid_k, M, K, stride_m, stride_k, P_C
     :func:`_col_groups`). With SPLIT, for dense sources with R ≥ 2, the chunk's groups ``r``
     and ``r + R/2`` are loaded as two halves and joined too, so that a thread holds two groups
     of one row rather than groups of two rows: fewer lanes share a chunk, and its butterfly
-    stages and sums exchange less (session 9, H200, 16384×4096 columns: post hoc MS-EDEN 63.2 →
-    59.5 SASS instructions per element, RHT32+SR 274.1 → 255.0 µs, SR 244.9 → 231.4; but
-    RTN+4/6, at 198 registers instead of 168, 269.3 → 291.2, so :func:`_quant_tile` passes no
-    SPLIT for it; and packed sources, post hoc MS-EDEN 215.1 → 278.9 and RHT32+SR 311.1 →
-    407.8, so they never split). The rest of the quantization is the row layout's
-    (:func:`_load_groups`)."""
+    stages and sums exchange less. H200, triton 3.6, 16384×4096 columns, 2026-11, split against
+    not: post hoc MS-EDEN 59.5 against 63.2 SASS instructions per element, RHT32+SR 255.0 against
+    274.1 µs, SR 231.4 against 244.9; but RTN+4/6 291.2 against 269.3 (198 registers instead of
+    168), so :func:`_quant_tile` passes no SPLIT for it, and packed sources post hoc MS-EDEN
+    278.9 against 215.1 and RHT32+SR 407.8 against 311.1, so they never split. The rest of the
+    quantization is the row layout's (:func:`_load_groups`)."""
     HALVES: tl.constexpr = 2 if SPLIT and SRC == 0 and R >= 2 else 1
     kb = (pid_k * (CH * R * 16) + tl.arange(0, CH)[None, :, None] * (R * 16)
           + tl.arange(0, R // HALVES)[None, None, :] * 16)
@@ -717,8 +719,8 @@ def _group_scales(v, TILE2D: tl.constexpr):
     keeps NaN); post hoc MS-EDEN always rotates, and the Hadamard transform makes every element
     of a chunk with a NaN or ±inf input non-finite, so each of its groups has a non-finite max.
     (Its abs then stays an operand modifier of the max instruction: the bit-pattern maximum,
-    :func:`_abs_bits`, made RTN + 4/6 of 16384×4096 rows 4% slower on the H200, 190.5 → 198.7
-    µs.)"""
+    :func:`_abs_bits`, made RTN + 4/6 of 16384×4096 rows 4% slower on an H200 (2026-11),
+    198.7 against 190.5 µs.)"""
     g = tl.max(v, axis=3)
     if TILE2D:
         g = tl.expand_dims(tl.max(g, axis=0), 0)
@@ -984,7 +986,7 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
     the same grid, i.e. unless ``c / s_t < 2^-6`` (below E4M3's normal range: groups about 2^14
     below the tensor's largest) or ``c < 2^-123`` (:func:`_sr_m3`'s least exponent); with
     FIX_VALUES the tiles holding such groups rewrite their values ``(q · s) · s_t``, reading q
-    as ``(q · r) / r`` (exact; the first pass writes no codes for it, session 13). (On one grid
+    as ``(q · r) / r`` (exact, so the first pass need not write codes for it). (On one grid
     ``down``, ``up`` and ``P(up)`` all scale exactly by ``s_t``, and ``c / s_t ≤ 448`` by the
     choice of ``s_t``.)
 
@@ -994,9 +996,10 @@ def eden_align_kernel(c_ptr, cmax_ptr, u_ptr, seed_ptr, val_ptr, sc_ptr, st_ptr,
     group of a first-pass program needs fixing iff its least positive c does, as ``c / s_t`` is
     monotone in c, and then the program's ``q_tiles`` tiles of ``[Q_BM, Q_G]`` groups (the
     first pass's tiles, in its order: along K, then M) are fixed as one tile (``Q_T``, a power
-    of two, at least ``q_tiles``). (A tensor-wide minimum made one zero-gradient row, e.g. the
-    first token's query gradient, sweep the whole tensor: 16384×3072 rows on the H200 took 133
-    µs with such rows against 94 without, 99 now; session 15.)"""
+    of two, at least ``q_tiles``). Per-program minima keep a few far smaller rows (e.g. the
+    zero query gradient of a sequence's first token) from sweeping the whole tensor: on an
+    H200 (2026-11), 16384×3072 rows with such rows took 99 µs, against 94 without them and 133
+    when one tensor-wide minimum decided."""
     s_t = _pow2_scale_448(tl.load(cmax_ptr))
     if tl.program_id(0) == 0:
         tl.store(st_ptr, s_t)
