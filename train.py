@@ -207,6 +207,10 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
     # Model: built on meta, block linears swapped for the scheme's, parallelized, then materialized.
     model = build_model(cfg.model, device="meta")
     scheme = quant.scheme_from_config(cfg.quant)
+    if cfg.kernels:  # imported only when asked for: the kernels' module loads triton
+        from quant.kernels import set_tuning, tuning_from_mapping
+
+        set_tuning(tuning_from_mapping(cfg.kernels))
     quant.quantize_model(model, scheme, skip=skip_patterns(cfg.quant, cfg.model.n_layer))
     n_params = model.num_params(non_embedding=True)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)

@@ -143,3 +143,13 @@ def test_plan_of_posthoc_eden():
     assert p.constexprs["SHARED_U"] and not p.constexprs["PREFETCH"] and p.constexprs["BM"] == 4
     assert p.align is not None and p.align.tiles == p.n_prog // 128 and not p.align.strided
     assert p.align.num_warps == 8 and p.align.constexprs["V"] == 128
+
+
+def test_the_trainer_config_sets_the_tuning(compose_train) -> None:
+    """``kernels:`` of configs/train.yaml is a mapping that tuning_from_mapping takes as it is."""
+    assert compose_train([]).kernels == {}
+    cfg = compose_train(["+kernels.tiles.rows=[16,128,4]", "+kernels.transpose_cols=false"])
+    tuning = tuning_from_mapping(cfg.kernels)
+    assert tuning.tiles["rows"] == (16, 128, 4) and tuning.transpose_cols is False
+    with pytest.raises(ValueError, match="unknown kernel tuning keys"):
+        tuning_from_mapping(compose_train(["+kernels.tile=1"]).kernels)
