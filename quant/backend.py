@@ -20,8 +20,8 @@ Random draws of the kernel path (``NVFP4_DRAWS`` / :func:`set_draws`):
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

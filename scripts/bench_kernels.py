@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.cuda_graph import capture  # noqa: E402
 
-
 # Tile configs timed by --sweep, per operand layout (quant.kernels.tuning.LAYOUTS). "cols_groups"
 # is the column path of the quantizers that hold whole groups per thread (ops.whole_groups); the
 # other column layouts are the in-kernel transpose's, which the GPU uses only with
@@ -176,7 +175,8 @@ def check() -> None:
                     bad = (v.view(torch.int32) != r.view(torch.int32)).nonzero()
                     msg = "ok" if len(bad) == 0 else (
                         f"{len(bad)} mismatches; rows {bad[:, 0].unique()[:8].tolist()} "
-                        f"cols {bad[:, 1].unique()[:12].tolist()} e.g. {v[tuple(bad[0])].item()} vs {r[tuple(bad[0])].item()}")
+                        f"cols {bad[:, 1].unique()[:12].tolist()} "
+                        f"e.g. {v[tuple(bad[0])].item()} vs {r[tuple(bad[0])].item()}")
                 except Exception as e:  # noqa: BLE001
                     msg = f"error {type(e).__name__}: {str(e)[:150]}"
                 print(f"check {shape} {'cols' if t else 'rows'} {name}: {msg}", flush=True)

@@ -295,14 +295,14 @@ def test_extreme_magnitudes(posthoc):
     u = torch.rand(32, 256, generator=g)
     ug = torch.rand(32, 16, generator=g)
     signs = random_signs(128, g, "cpu")
-    for x in (x.bfloat16(), tiny.bfloat16()):
+    for xb in (x.bfloat16(), tiny.bfloat16()):
         for four_six in (False, True):
-            _check(K.rtn(x.to(DEV), False, four_six), quantize_rtn(x, four_over_six=four_six))
-            _check(K.sr(x.to(DEV), False, u.to(DEV), None, four_six),
-                   quantize_sr(x, u, four_over_six=four_six))
-        ref = quantize_ms_eden(rotate(x, signs), ug, chunk=128, posthoc=posthoc)
+            _check(K.rtn(xb.to(DEV), False, four_six), quantize_rtn(xb, four_over_six=four_six))
+            _check(K.sr(xb.to(DEV), False, u.to(DEV), None, four_six),
+                   quantize_sr(xb, u, four_over_six=four_six))
+        ref = quantize_ms_eden(rotate(xb, signs), ug, chunk=128, posthoc=posthoc)
         for pack in (True, False):  # post hoc, the align pass also fixes values without pack
-            out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), False, ug.to(DEV), None, None, pack,
+            out = K.rht_ms_eden(xb.to(DEV), signs.to(DEV), False, ug.to(DEV), None, None, pack,
                                 posthoc=posthoc)
             _check(out, ref, packed=pack, posthoc=posthoc)
 
@@ -793,7 +793,8 @@ def test_saved_packed_operand_roundtrip():
                                         quant.get_scheme("quartet2").forward.a, None, None, None,
                                         None, 0, pack=True)
     p, r = qa.pack(), quantize_rtn(x, four_over_six=True).pack()
-    assert torch.equal(p.data.cpu(), r.data) and torch.equal(p.scales.view(torch.uint8).cpu(), r.scales.view(torch.uint8))
+    assert torch.equal(p.data.cpu(), r.data)
+    assert torch.equal(p.scales.view(torch.uint8).cpu(), r.scales.view(torch.uint8))
     assert isinstance(p, PackedNVFP4) and p.tile == "1x16"
 
 

@@ -40,7 +40,7 @@ class PackedFactor:
         return self.values.float() * self.scale
 
     @property
-    def T(self) -> "PackedFactor":
+    def T(self) -> PackedFactor:
         return PackedFactor(self.packed, not self.transposed)
 
 

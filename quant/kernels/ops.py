@@ -69,7 +69,7 @@ def _grid(M: int, Kd: int, bm: int, bk: int, tiles: int) -> tuple[int, ...]:
     return grid if tiles == 1 else (_cdiv(grid[0] * grid[1], tiles),)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``."""
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -129,7 +129,7 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _targets(mode: str, four_over_six: bool) -> tuple[float, float]:
     """(tensor target, block target) of a quantizer, as in :mod:`quant.quantizers`."""
     scale_max = FOUR_OVER_SIX_SCALE_MAX if four_over_six else E4M3_MAX
@@ -169,7 +169,7 @@ def _rotation(signs: Optional[Tensor]) -> tuple[int, float, Optional[Tensor]]:
     return h, _inv_sqrt(h), signs.to(torch.int8).contiguous()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _inv_sqrt(h: int) -> float:
     """FP32 ``1/√h``."""
     return _f32(1.0 / math.sqrt(h))
