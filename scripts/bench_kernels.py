@@ -25,14 +25,10 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts.cuda_graph import capture  # noqa: E402
+from scripts.cuda_graph import capture
 
 # Tile configs timed by --sweep, per operand layout (quant.kernels.tuning.LAYOUTS). "cols_groups"
 # is the column path of the quantizers that hold whole groups per thread (ops.whole_groups); the

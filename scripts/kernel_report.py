@@ -27,10 +27,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quant.kernels import get_tuning, ops  # noqa: E402
-from quant.kernels import triton_kernels as K  # noqa: E402
+from quant.kernels import get_tuning, ops
+from quant.kernels import triton_kernels as K
 
 POINTERS = {"x_ptr": "*bf16", "xs_ptr": "*u8", "scale_ptr": "*fp32", "signs_ptr": "*i8",
             "amax_ptr": "*fp32", "u_ptr": "*fp32", "seed_ptr": "*i64", "val_ptr": "*bf16",
