@@ -107,6 +107,8 @@ def test_nan_gradient_with_finite_loss_stops_before_saving(tiny, tmp_path, monke
     summary = train.run(tiny("train.steps=8", "train.ckpt_every=2", "train.eval_every=1000", *fix.groups()))
     log = (Path(cfg.run_dir) / "train.log").read_text()
     assert "resuming at step 4" in log and "changed setting (resume_with_changes): optim.lr" in log
+    # Every save is logged with its size and time.
+    assert re.search(r"step 4: checkpoint of 18\.\d MiB saved in \d+\.\d s: \S+step_00000004\n", log), log
     assert summary["steps"] == 8 and sorted(read_metrics(cfg.run_dir)) == list(range(0, 9))
 
 

@@ -139,7 +139,7 @@ class Jobs:
         assert len(resumed) == 1, f"expected one resume in train.log:\n{train_log}"
         step = int(resumed[0])
         assert int(first.name.split("_")[1]) <= step < STEPS, (first, step)
-        assert f"stop requested: checkpointed step {step}" in train_log, train_log
+        assert f"stop requested (the PREEMPT file): checkpointed step {step}" in train_log, train_log
         assert not (self.run_dir(job) / "REQUEUE").exists()
         return fields, step
 
