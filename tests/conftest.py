@@ -1,5 +1,5 @@
 """Shared fixtures of the trainer tests: W&B kept offline and quiet, the sample dataset prepared
-once per session in a temporary cache, and in-process composition of configs/train.yaml."""
+once per pytest run in a temporary cache, and in-process composition of configs/train.yaml."""
 
 from __future__ import annotations
 

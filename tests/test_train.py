@@ -1,6 +1,6 @@
 """Tests of the trainer (train.py, training/): tiny CPU runs through ``train.run(cfg)``.
 
-Runs use the tiny model on the bundled corpus (prepared once per session, see conftest.py), 8
+Runs use the tiny model on the bundled corpus (prepared once per pytest run, see conftest.py), 8
 sequences of 128 tokens per step, FP32 unless BF16 is the point, and a handful of steps: about
 half a minute in all on 2 idle cores.
 """
