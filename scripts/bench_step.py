@@ -123,28 +123,27 @@ def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.dev
 
 @contextmanager
 def _labelled_quantizations():
-    """Wrap every kernel quantization (``quant.kernels.ops._quantize_impl``, which the custom ops
-    and the eager path call) in a profiler range named after its operand."""
+    """Wrap every kernel quantization (``quant.kernels.ops.quantize``, which the custom ops and
+    the eager path call) in a profiler range named after its operand."""
     from quant.kernels import ops as kops
 
-    inner = kops._quantize_impl
+    inner = kops.quantize
 
-    def labelled(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, stream,
-                 mode, four_over_six, values, pack, posthoc=False, amax=None):
-        M, K, _, sk, _, pt = kops._operand(x, src, transpose)
-        name = (f"{mode}{'+4/6' if four_over_six else ''}{' post hoc' if posthoc else ''}"
-                f"{f' RHT{signs.numel()}' if signs is not None else ''}"
-                f"{' packed' if src != kops.SRC_DENSE else ''}"
-                f" {'cols' if kops._is_cols(src, sk, pt) else 'rows'} {M}×{K}")
+    def labelled(call):
+        M, K, _, sk, _, pt = kops._operand(call.x, call.src, call.transpose)
+        name = (f"{call.mode}{'+4/6' if call.four_over_six else ''}"
+                f"{' post hoc' if call.posthoc else ''}"
+                f"{f' RHT{call.signs.numel()}' if call.signs is not None else ''}"
+                f"{' packed' if call.src != kops.SRC_DENSE else ''}"
+                f" {'cols' if kops._is_cols(call.src, sk, pt) else 'rows'} {M}×{K}")
         with torch.profiler.record_function("nvfp4 " + name):
-            return inner(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                         stream, mode, four_over_six, values, pack, posthoc, amax)
+            return inner(call)
 
-    kops._quantize_impl = labelled
+    kops.quantize = labelled
     try:
         yield
     finally:
-        kops._quantize_impl = inner
+        kops.quantize = inner
 
 
 @contextmanager

@@ -98,14 +98,16 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
     # that produced the operand (an RMSNorm, SwiGLU, the weight's cast) instead of reading it
     # once more (max is exact in any order, so the bits are the amax pass's).
     compiling = torch.compiler.is_compiling()
-    fn = ops.quantize_operand if compiling else ops._quantize_impl
     amax = None
     if (compiling and kind == ops.SRC_DENSE and signs is None and in_scale is None
             and not op.posthoc and x.numel()):  # (amax of an empty tensor is an error)
         amax = x.abs().amax()
-    values, codes, scales, st, current = fn(
-        x, x_scales, kind, transpose, in_scale, signs, prev, uniforms, seed, stream, op.quantizer,
-        op.four_over_six, True, pack, op.posthoc, amax)
+    call = dict(x=x, mode=op.quantizer, x_scales=x_scales, src=kind, transpose=transpose,
+                in_scale=in_scale, signs=signs, four_over_six=op.four_over_six,
+                posthoc=op.posthoc, uniforms=uniforms, seed=seed, stream=stream, prev_amax=prev,
+                amax=amax, values=True, pack=pack)
+    values, codes, scales, st, current = (ops.quantize_operand(**call) if compiling
+                                          else ops.quantize(ops.QuantizeCall(**call)))
     if delayed is not None:
         delayed[slot] = current
     q = KernelQuantized(codes, scales, st, "16x16" if op.quantizer == "rtn_2d" else "1x16") if pack else None

@@ -30,6 +30,7 @@ seeded path uses, and :func:`philox_signs` Hadamard signs from the same generato
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -213,20 +214,34 @@ def _launch_key(kernel, num_warps: int, meta: dict, args: tuple) -> tuple:
             tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor) else a for a in args))
 
 
-def _launch(kernel, grid, *args, num_warps: int, **meta):
-    if _INTERPRET:
-        kernel[grid](*args, **meta)
-        return
-    key = _launch_key(kernel, num_warps, meta, args)
-    hit = _COMPILED.get(key)
+@functools.cache
+def _runtime_names(kernel) -> tuple[str, ...]:
+    """The names of ``kernel``'s run-time parameters (those not annotated ``tl.constexpr``), in
+    order (the same for a compiled kernel and the interpreter's)."""
+    params = inspect.signature(kernel.fn).parameters.values()
+    return tuple(p.name for p in params if "constexpr" not in str(p.annotation))
+
+
+def _launch(kernel, grid, args: Mapping[str, object], *, num_warps: int, **meta) -> None:
+    """Launch ``kernel`` on ``grid`` with its run-time parameters ``args`` by name and its
+    compile-time ones ``meta``."""
+    names = _runtime_names(kernel)
+    values = tuple(args.get(n) for n in names)
+    hit = None if _INTERPRET else _COMPILED.get(key := _launch_key(kernel, num_warps, meta, values))
     if hit is None:
-        compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **meta)
-        names = kernel.arg_names[len(args):]
-        if set(names) == set(meta):  # every parameter was passed (none left to its default)
-            _COMPILED[key] = (compiled, tuple(meta[n] for n in names))
+        if set(args) != set(names):
+            raise TypeError(f"{kernel.fn.__name__} takes the run-time arguments {names}, "
+                            f"got {tuple(args)}")
+        if _INTERPRET:
+            kernel[grid](*values, **meta)
+            return
+        compiled = kernel[grid](*values, num_warps=num_warps, enable_fp_fusion=False, **meta)
+        rest = kernel.arg_names[len(values):]
+        if set(rest) == set(meta):  # every parameter was passed (none left to its default)
+            _COMPILED[key] = (compiled, tuple(meta[n] for n in rest))
         return
     compiled, constexprs = hit
-    compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs)  # triton's own runner
+    compiled[tuple(grid) + (1,) * (3 - len(grid))](*values, *constexprs)  # triton's own runner
 
 
 def _check(M: int, Kd: int, mode: str, rot: int) -> None:
@@ -255,11 +270,13 @@ def _amax_impl(x, x_scales, src, transpose, in_scale, signs) -> Tensor:
         return out
     cols = _is_cols(src, sk, pt)  # a column operand is read by slices (whole_groups)
     meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups=cols), rot, get_tuning())
-    _launch(K.amax_kernel, _grid(M, Kd, meta["BM"], bk, tiles), x, x_scales if x_scales is not None else x,
-            in_scale if in_scale is not None else out, signs if signs is not None else out, out,
-            M, Kd, sm, sk, pc, SRC=src, COLS=cols, HAS_SCALE=in_scale is not None, ROT=rot,
-            INV_SQRT=inv, EVEN=_whole_tiles(M, Kd, meta["BM"], bk), GROUPS=cols, TILES=tiles, num_warps=nw,
-            **meta)
+    _launch(K.amax_kernel, _grid(M, Kd, meta["BM"], bk, tiles), dict(
+        x_ptr=x, xs_ptr=x_scales if x_scales is not None else x,
+        scale_ptr=in_scale if in_scale is not None else out,
+        signs_ptr=signs if signs is not None else out, amax_ptr=out,
+        M=M, K=Kd, stride_m=sm, stride_k=sk, P_C=pc),
+        SRC=src, COLS=cols, HAS_SCALE=in_scale is not None, ROT=rot, INV_SQRT=inv,
+        EVEN=_whole_tiles(M, Kd, meta["BM"], bk), GROUPS=cols, TILES=tiles, num_warps=nw, **meta)
     return out
 
 
@@ -295,9 +312,9 @@ def _rows_operand(x, x_scales, src, transpose, groups, mode, tuning: KernelTunin
     out = torch.empty((M, Kd), dtype=x.dtype if src == SRC_DENSE else torch.bfloat16, device=x.device)
     if M and Kd:
         bm, bk, nw = tuning.transpose_tile
-        _launch(K.transpose_kernel, (_cdiv(M, bm), _cdiv(Kd, bk)), x,
-                x_scales if x_scales is not None else x, out, M, Kd, sm, sk, pc, SRC=src, BM=bm,
-                BK=bk, num_warps=nw)
+        _launch(K.transpose_kernel, (_cdiv(M, bm), _cdiv(Kd, bk)), dict(
+            x_ptr=x, xs_ptr=x_scales if x_scales is not None else x, out_ptr=out,
+            M=M, K=Kd, stride_m=sm, stride_k=sk, P_C=pc), SRC=src, BM=bm, BK=bk, num_warps=nw)
     return out, None, SRC_DENSE, False, _operand(out, SRC_DENSE, False), False
 
 
@@ -387,18 +404,47 @@ def plan_quantize(M: int, Kd: int, src: int, cols: bool, rot: int, mode: str,
     return QuantPlan(grid, nw, MappingProxyType(constexprs), n_prog, tiles, align)
 
 
-def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                   stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
-    """The body of :func:`quantize_operand` (its arguments and results), which the named ops
-    and the eager path of ``quant.kernels.dispatch`` call: checks the arguments, runs the amax
+@dataclass(frozen=True)
+class QuantizeCall:
+    """One quantization, as :func:`quantize_operand` takes it (see there and the module
+    docstring): the operand (``x``, with ``x_scales`` for packed sources of kind ``src``, read
+    as ``xᵀ`` with ``transpose``, times ``in_scale``, rotated by ``signs``), the quantizer
+    (``mode``, ``four_over_six``, ``posthoc``), its draws (``uniforms``, or ``seed`` and
+    ``stream``), the amax (``prev_amax`` delayed, ``amax`` known) and the outputs wanted
+    (``values``, ``pack``)."""
+
+    x: Tensor
+    mode: str
+    x_scales: Optional[Tensor] = None
+    src: int = SRC_DENSE
+    transpose: bool = False
+    in_scale: Optional[Tensor] = None
+    signs: Optional[Tensor] = None
+    four_over_six: bool = False
+    posthoc: bool = False
+    uniforms: Optional[Tensor] = None
+    seed: Optional[Tensor] = None
+    stream: int = 0
+    prev_amax: Optional[Tensor] = None
+    amax: Optional[Tensor] = None
+    values: bool = True
+    pack: bool = True
+
+
+def quantize(call: QuantizeCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Run ``call`` on the kernels (the body of :func:`quantize_operand`, which the named ops
+    and the eager path of ``quant.kernels.dispatch`` use): checks the arguments, runs the amax
     pass unless ``amax`` or ``posthoc`` makes it unneeded, and launches the :class:`QuantPlan`
-    of the operand (:func:`_launch_quantize`)."""
+    of the operand (:func:`_launch_quantize`). Returns ``(values, codes, scales, tensor_scale,
+    amax)``."""
     tuning = get_tuning()
-    rot, _, signs = _rotation(signs)
+    mode, posthoc, four_over_six = call.mode, call.posthoc, call.four_over_six
+    rot, _, signs = _rotation(call.signs)
     groups = whole_groups(mode, rot, four_over_six)
     x, x_scales, src, transpose, (M, Kd, sm, sk, pc, _), cols = _rows_operand(
-        x, x_scales, src, transpose, groups, mode, tuning)
+        call.x, call.x_scales, call.src, call.transpose, groups, mode, tuning)
     _check(M, Kd, mode, rot)
+    prev_amax, amax, in_scale = call.prev_amax, call.amax, call.in_scale
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
     dev = x.device
@@ -413,15 +459,15 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
             amax = torch.where((prev > 0) & (torch.maximum(prev, current) < math.inf), prev, current)
         else:
             amax = current
-    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
+    vshape, cshape, sshape = _out_shapes(M, Kd, mode, call.values, call.pack)
     val = torch.empty(vshape, dtype=torch.bfloat16, device=dev)
     codes = torch.empty(cshape, dtype=torch.uint8, device=dev)
     scales = torch.empty(sshape, dtype=torch.uint8, device=dev)
     # The quantization (or align) kernel writes the tensor scale; an empty operand keeps 1. (One
     # fill kernel fewer per call: eager steps are bound by host launches.)
     st = (torch.empty if M and Kd else torch.ones)((), dtype=torch.float32, device=dev)
-    stochastic = mode in ("sr", "ms_eden")
-    if stochastic and (uniforms is None) == (seed is None):
+    uniforms, seed = call.uniforms, call.seed
+    if mode in ("sr", "ms_eden") and (uniforms is None) == (seed is None):
         raise ValueError(f"{mode} needs exactly one of uniforms or seed")
     if uniforms is not None:
         expect = (M, Kd) if mode == "sr" else (M, Kd // GROUP)
@@ -432,48 +478,49 @@ def _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, unif
         raise ValueError("MS-EDEN needs a rotation (signs)")
     if M and Kd:
         plan = plan_quantize(M, Kd, src, cols, rot, mode, four_over_six,
-                             0 if uniforms is not None else 1, in_scale is not None, values, pack,
-                             posthoc, tuning)
-        _launch_quantize(plan, (x, x_scales, in_scale, signs, amax, uniforms, seed, val, codes,
-                                scales, st), (M, Kd, sm, sk, pc, stream), tuning)
+                             0 if uniforms is not None else 1, in_scale is not None, call.values,
+                             call.pack, posthoc, tuning)
+        dummy = st  # the pointer of an absent operand (never read)
+        _launch_quantize(plan, dict(
+            x_ptr=x, xs_ptr=x_scales if x_scales is not None else x,
+            scale_ptr=in_scale if in_scale is not None else dummy,
+            signs_ptr=signs if signs is not None else dummy, amax_ptr=amax,
+            u_ptr=uniforms if uniforms is not None else dummy,
+            seed_ptr=seed if seed is not None else dummy,
+            val_ptr=val, code_ptr=codes, sc_ptr=scales, st_ptr=st,
+            M=M, K=Kd, stride_m=sm, stride_k=sk, P_C=pc, stream=call.stream), tuning)
     return val, codes, scales.view(torch.float8_e4m3fn), st, current
 
 
-def _launch_quantize(plan: QuantPlan, tensors: tuple, scalars: tuple, tuning: KernelTuning) -> None:
+def _launch_quantize(plan: QuantPlan, args: dict, tuning: KernelTuning) -> None:
     """Launch ``quant_kernel`` and, with post hoc alignment, ``eden_align_kernel`` as ``plan``
-    says, on ``tensors`` ``(x, x_scales, in_scale, signs, amax, uniforms, seed, values, codes,
-    scales, tensor_scale)`` (absent optional ones None) and ``scalars`` ``(M, K, stride_m,
-    stride_k, P_C, stream)``."""
-    x, x_scales, in_scale, signs, amax, uniforms, seed, val, codes, scales, st = tensors
-    M, Kd, sm, sk, pc, stream = scalars
-    dummy = st  # the pointer of an absent operand (never read)
-    u_arg = uniforms if uniforms is not None else dummy
-    seed_arg = seed if seed is not None else dummy
+    says, with ``quant_kernel``'s run-time arguments ``args`` by name, less ``c_ptr`` (the post
+    hoc scratch, made here)."""
+    M, Kd = args["M"], args["K"]
     # post hoc: the corrected scales, their roundings and each program's least positive one
     # (quant_kernel's POSTHOC)
     c = torch.empty(2 * M * (Kd // GROUP) + plan.n_prog if plan.align is not None else 0,
-                    dtype=torch.float32, device=x.device)
-    _launch(K.quant_kernel, plan.grid,
-            x, x_scales if x_scales is not None else x,
-            in_scale if in_scale is not None else dummy, signs if signs is not None else dummy,
-            amax, u_arg, seed_arg, val, codes, scales, st, c, M, Kd, sm, sk, pc, stream,
-            num_warps=plan.num_warps, **plan.constexprs)
+                    dtype=torch.float32, device=args["x_ptr"].device)
+    _launch(K.quant_kernel, plan.grid, dict(args, c_ptr=c), num_warps=plan.num_warps,
+            **plan.constexprs)
     a = plan.align
     if a is not None:
-        grid = min(a.tiles, _align_programs(x.device, tuning)) if a.strided else a.tiles
-        _launch(K.eden_align_kernel, (grid,),
-                c, amax, u_arg, seed_arg, val, scales, st, M, Kd, stream, plan.n_prog, plan.tiles,
-                num_warps=a.num_warps, **a.constexprs)
+        grid = min(a.tiles, _align_programs(c.device, tuning)) if a.strided else a.tiles
+        _launch(K.eden_align_kernel, (grid,), dict(
+            c_ptr=c, cmax_ptr=args["amax_ptr"], u_ptr=args["u_ptr"], seed_ptr=args["seed_ptr"],
+            val_ptr=args["val_ptr"], sc_ptr=args["sc_ptr"], st_ptr=args["st_ptr"], M=M, K=Kd,
+            stream=args["stream"], n_prog=plan.n_prog, q_tiles=plan.tiles),
+            num_warps=a.num_warps, **a.constexprs)
 
 
-def _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                   stream, mode, four_over_six, values, pack, posthoc=False, amax=None):
-    M, Kd, *_ = _operand(x, src, transpose)
-    vshape, cshape, sshape = _out_shapes(M, Kd, mode, values, pack)
-    dev = x.device
+def quantize_fake(call: QuantizeCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The outputs of :func:`quantize` as ``torch.compile`` traces them (shapes, no kernels)."""
+    x = call.x
+    M, Kd, *_ = _operand(x, call.src, call.transpose)
+    vshape, cshape, sshape = _out_shapes(M, Kd, call.mode, call.values, call.pack)
     return (x.new_empty(vshape, dtype=torch.bfloat16), x.new_empty(cshape, dtype=torch.uint8),
             x.new_empty(sshape, dtype=torch.float8_e4m3fn),
-            torch.empty((), dtype=torch.float32, device=dev), torch.empty((), dtype=torch.float32, device=dev))
+            x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32))
 
 
 _LIB = torch.library.Library("nvfp4", "DEF")
@@ -523,15 +570,21 @@ def quantize_operand(
     ``max |A|`` when the caller has it (then no amax pass runs; under ``torch.compile`` inductor
     computes it, fused with the kernel that produced ``x``). Returns
     ``(values, codes, scales, tensor_scale, amax)`` (see the module docstring)."""
-    return _quantize_impl(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                          stream, mode, four_over_six, values, pack, posthoc, amax)
+    return quantize(QuantizeCall(**_call_fields(locals())))
 
 
 @_fake(quantize_operand)
 def _(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, stream, mode,
       four_over_six, values, pack, posthoc=False, amax=None):
-    return _quantize_fake(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed,
-                          stream, mode, four_over_six, values, pack, posthoc, amax)
+    return quantize_fake(QuantizeCall(**_call_fields(locals())))
+
+
+def _call_fields(args: dict) -> dict:
+    """The :class:`QuantizeCall` fields among a function's ``locals()``."""
+    return {k: v for k, v in args.items() if k in _CALL_FIELDS}
+
+
+_CALL_FIELDS = frozenset(QuantizeCall.__dataclass_fields__)
 
 
 # --------------------------------------------------------------------------- named quantizers
@@ -541,14 +594,14 @@ def rtn(x: Tensor, transpose: bool = False, four_over_six: bool = False,
         amax: Optional[Tensor] = None, pack: bool = True
         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """RTN 1×16 (optionally 4/6) of ``x`` (rows) or ``xᵀ`` (``transpose``, i.e. along columns)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, None, None, 0, "rtn",
-                          four_over_six, True, pack)
+    return quantize(QuantizeCall(
+        x, "rtn", transpose=transpose, four_over_six=four_over_six, prev_amax=amax, pack=pack))
 
 
 @_fake(rtn)
 def _(x, transpose=False, four_over_six=False, amax=None, pack=True):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, None, None, 0, "rtn",
-                          four_over_six, True, pack)
+    return quantize_fake(QuantizeCall(
+        x, "rtn", transpose=transpose, four_over_six=four_over_six, prev_amax=amax, pack=pack))
 
 
 @_op
@@ -556,14 +609,14 @@ def rtn_2d(x: Tensor, transpose: bool = False, four_over_six: bool = False,
            amax: Optional[Tensor] = None, pack: bool = True
            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """RTN with one scale per 16×16 tile (optionally 4/6)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, None, None, 0, "rtn_2d",
-                          four_over_six, True, pack)
+    return quantize(QuantizeCall(
+        x, "rtn_2d", transpose=transpose, four_over_six=four_over_six, prev_amax=amax, pack=pack))
 
 
 @_fake(rtn_2d)
 def _(x, transpose=False, four_over_six=False, amax=None, pack=True):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, None, None, 0, "rtn_2d",
-                          four_over_six, True, pack)
+    return quantize_fake(QuantizeCall(
+        x, "rtn_2d", transpose=transpose, four_over_six=four_over_six, prev_amax=amax, pack=pack))
 
 
 @_op
@@ -571,14 +624,16 @@ def sr(x: Tensor, transpose: bool = False, uniforms: Optional[Tensor] = None,
        seed: Optional[Tensor] = None, four_over_six: bool = False, amax: Optional[Tensor] = None,
        pack: bool = True, stream: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Stochastic rounding 1×16 (``four_over_six``: the biased ablation)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, None, amax, uniforms, seed, stream, "sr",
-                          four_over_six, True, pack)
+    return quantize(QuantizeCall(
+        x, "sr", transpose=transpose, four_over_six=four_over_six, uniforms=uniforms, seed=seed,
+        stream=stream, prev_amax=amax, pack=pack))
 
 
 @_fake(sr)
 def _(x, transpose=False, uniforms=None, seed=None, four_over_six=False, amax=None, pack=True, stream=0):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, None, amax, uniforms, seed, stream, "sr",
-                          four_over_six, True, pack)
+    return quantize_fake(QuantizeCall(
+        x, "sr", transpose=transpose, four_over_six=four_over_six, uniforms=uniforms, seed=seed,
+        stream=stream, prev_amax=amax, pack=pack))
 
 
 @_op
@@ -588,15 +643,17 @@ def rht_ms_eden(x: Tensor, signs: Tensor, transpose: bool = False,
                 posthoc: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Randomized Hadamard transform (chunks of ``len(signs)``) fused with MS-EDEN; ``posthoc``:
     with post hoc range alignment (no amax pass; ``amax`` then returns ``max(c)``)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
-                          "ms_eden", False, True, pack, posthoc)
+    return quantize(QuantizeCall(
+        x, "ms_eden", transpose=transpose, signs=signs, posthoc=posthoc, uniforms=uniforms,
+        seed=seed, stream=stream, prev_amax=amax, pack=pack))
 
 
 @_fake(rht_ms_eden)
 def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False, stream=0,
       posthoc=False):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
-                          "ms_eden", False, True, pack, posthoc)
+    return quantize_fake(QuantizeCall(
+        x, "ms_eden", transpose=transpose, signs=signs, posthoc=posthoc, uniforms=uniforms,
+        seed=seed, stream=stream, prev_amax=amax, pack=pack))
 
 
 @_op
@@ -605,28 +662,30 @@ def rht_sr(x: Tensor, signs: Tensor, transpose: bool = False,
            amax: Optional[Tensor] = None, pack: bool = False, stream: int = 0
            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Randomized Hadamard transform fused with SR (tetrajet_v2's backward, nvidia's Eᵀ)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
-                          "sr", False, True, pack)
+    return quantize(QuantizeCall(
+        x, "sr", transpose=transpose, signs=signs, uniforms=uniforms, seed=seed, stream=stream,
+        prev_amax=amax, pack=pack))
 
 
 @_fake(rht_sr)
 def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False, stream=0):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, uniforms, seed, stream,
-                          "sr", False, True, pack)
+    return quantize_fake(QuantizeCall(
+        x, "sr", transpose=transpose, signs=signs, uniforms=uniforms, seed=seed, stream=stream,
+        prev_amax=amax, pack=pack))
 
 
 @_op
 def rht_rtn(x: Tensor, signs: Tensor, transpose: bool = False, amax: Optional[Tensor] = None,
             pack: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Randomized Hadamard transform followed by RTN 1×16 (nvidia's Xᵀ in wgrad)."""
-    return _quantize_impl(x, None, SRC_DENSE, transpose, None, signs, amax, None, None, 0,
-                          "rtn", False, True, pack)
+    return quantize(QuantizeCall(
+        x, "rtn", transpose=transpose, signs=signs, prev_amax=amax, pack=pack))
 
 
 @_fake(rht_rtn)
 def _(x, signs, transpose=False, amax=None, pack=False):
-    return _quantize_fake(x, None, SRC_DENSE, transpose, None, signs, amax, None, None, 0,
-                          "rtn", False, True, pack)
+    return quantize_fake(QuantizeCall(
+        x, "rtn", transpose=transpose, signs=signs, prev_amax=amax, pack=pack))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -651,9 +710,9 @@ def unpack(data: Tensor, scales: Tensor, tile2d: bool = False) -> Tensor:
     out = torch.empty((R, C), dtype=torch.bfloat16, device=data.device)
     if R and C:
         bm, bk, nw = _config("rows")
-        _launch(K.unpack_kernel, (_cdiv(R, bm), _cdiv(C, bk)), data,
-                scales.view(torch.uint8), out, R, C, SRC=SRC_PACKED_2D if tile2d else SRC_PACKED,
-                BM=bm, R=bk // GROUP, num_warps=nw)
+        _launch(K.unpack_kernel, (_cdiv(R, bm), _cdiv(C, bk)), dict(
+            x_ptr=data, xs_ptr=scales.view(torch.uint8), val_ptr=out, NR=R, NC=C),
+            SRC=SRC_PACKED_2D if tile2d else SRC_PACKED, BM=bm, R=bk // GROUP, num_warps=nw)
     return out
 
 
@@ -671,7 +730,8 @@ def _philox_draws(seed: Tensor, stream: int, n: int, kind: str, groups: int = 1)
     out = torch.empty(n, dtype=torch.int8 if kind == "signs" else torch.float32, device=seed.device)
     if n:
         block = 65536 if _INTERPRET else 1024
-        _launch(K.rand_kernel, (_cdiv(n, block),), seed, out, n, groups, stream,
+        _launch(K.rand_kernel, (_cdiv(n, block),),
+                dict(seed_ptr=seed, out_ptr=out, N=n, G=groups, stream=stream),
                 KIND=_RAND_KINDS[kind], BLOCK=block, num_warps=4)
     return out
 
@@ -718,7 +778,8 @@ def scale_product(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor
     if n:
         block = 65536 if _INTERPRET else 2048
         dummy = scale_a if scale_a is not None else scale_b if scale_b is not None else y
-        _launch(K.scale_kernel, (_cdiv(n, block),), y,
-                scale_a if scale_a is not None else dummy, scale_b if scale_b is not None else dummy,
-                out, n, HAS_A=scale_a is not None, HAS_B=scale_b is not None, BLOCK=block, num_warps=4)
+        _launch(K.scale_kernel, (_cdiv(n, block),), dict(
+            y_ptr=y, sa_ptr=scale_a if scale_a is not None else dummy,
+            sb_ptr=scale_b if scale_b is not None else dummy, out_ptr=out, N=n),
+            HAS_A=scale_a is not None, HAS_B=scale_b is not None, BLOCK=block, num_warps=4)
     return out
