@@ -9,7 +9,10 @@ directory that verifies, or start fresh (an earlier run there is moved aside); b
 and optimizer; then, for every optimizer step, act on a stop request (preemption or Ctrl-C:
 checkpoint and exit), set the learning rate, run the micro-batches (forward under BF16 autocast,
 backward), clip, step, stop on a non-finite loss, gradient norm or parameter, log, validate and
-checkpoint. Configs live in configs/ (Hydra); see README.md and docs/reliability.md.
+checkpoint. The loop never waits for the GPU between those: each step's loss, gradient norm and
+max |p| stay on the device until a log, validation or checkpoint step reads them all at once
+(training/step.py runs the step, on one GPU as one replayed CUDA graph). Configs live in configs/
+(Hydra); see README.md, docs/reliability.md and docs/performance.md.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.tensor import DTensor
 
 import quant
 from data.loader import TokenLoader, val_batches
@@ -43,20 +45,14 @@ from model.parallel import materialize, parallelize, replays_cuda_graphs
 from quant import randomness
 from training.checkpoint import Checkpointer, CheckpointError, check_fingerprint, config_fingerprint, read_extra
 from training.config_checks import check_train_config
-from training.distributed import (
-    DistInfo,
-    all_reduce_mean,
-    any_rank,
-    barrier,
-    init_distributed,
-    shutdown,
-)
-from training.health import first_nonfinite, param_max_abs
+from training.distributed import AnyRankLagged, DistInfo, all_reduce_mean, barrier, init_distributed, shutdown
+from training.health import first_nonfinite
 from training.metrics import bf16_peak_flops, mfu, peak_memory_gib
 from training.optim import build_adamw
 from training.preemption import STOP_FILE, PreemptionWatcher
 from training.run_dir import holds_a_run, move_aside, rewind_metrics
 from training.schedule import lr_at
+from training.step import TrainStep, graph_blocker
 from training.tracking import NullTracker, Tracker
 
 
@@ -144,7 +140,8 @@ def run(cfg: DictConfig, handle_ctrl_c: bool = False) -> dict[str, Any]:
     ``handle_ctrl_c``: the first Ctrl-C checkpoints and raises :class:`Interrupted` (the command
     line's behaviour); otherwise Ctrl-C stays the caller's.
     """
-    dist_info = init_distributed(cfg.device, cfg.parallel.replicate, timeout_s=cfg.parallel.timeout_s)
+    dist_info = init_distributed(cfg.device, cfg.parallel.replicate, timeout_s=cfg.parallel.timeout_s,
+                                 shard_alone=cfg.parallel.fsdp is True)
     try:
         summary = _train(cfg, dist_info, handle_ctrl_c)
         barrier()  # every rank is done before any tears the process group down
@@ -234,7 +231,6 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
     parallelize(model, di.mesh, activation_checkpointing=cfg.parallel.activation_checkpointing,
                 ac_every=cfg.parallel.ac_every, compile=cfg.compile, compile_mode=cfg.compile_mode,
                 bf16_params=autocast)
-    graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode)
     materialize(model, device, cfg.seed)
     optimizer = build_adamw(model, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay, cfg.optim.eps)
     if extra is not None:
@@ -312,6 +308,40 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
 
     peak = bf16_peak_flops(device, cfg.train.peak_flops)
     fsdp = di.mesh is not None
+    blocker = graph_blocker(device, fsdp, cfg.compile_mode if cfg.compile else "default", scheme.name)
+    if cfg.cuda_graph is True and blocker:
+        raise TrainingError(f"cuda_graph=true, but the step cannot be one CUDA graph here: {blocker}. "
+                            f"Fix: cuda_graph=auto (or false).")
+    use_graph = cfg.cuda_graph == "auto" and blocker is None or cfg.cuda_graph is True
+    if cfg.cuda_graph == "auto" and device.type == "cuda":
+        tracker.info("each step replays as one CUDA graph (cuda_graph=auto)" if use_graph else
+                     f"steps run without a CUDA graph: {blocker}")
+    train_step = TrainStep(model, optimizer, accum=accum, device=device, autocast=autocast,
+                           grad_clip=cfg.optim.grad_clip, fsdp=fsdp, cuda_graph=use_graph,
+                           block_graphs=replays_cuda_graphs(cfg.compile, cfg.compile_mode))
+    stop_poll = AnyRankLagged(device)
+    # Steps run but not yet read: (step, lr, health [loss, grad norm, max |p|] on the device).
+    unread: list[tuple[int, float, torch.Tensor]] = []
+
+    def read_health() -> list[dict[str, Any]]:
+        """The metrics of the unread steps (one wait for the GPU); a non-finite loss, gradient
+        norm or parameter stops the run at the first step that has one, before it or any later
+        step is logged or saved."""
+        if not unread:
+            return []
+        values = torch.stack([h for _, _, h in unread]).tolist()
+        rows = []
+        for (step, lr, _), (train_loss, norm, param_max) in zip(unread, values):
+            if problem := first_nonfinite(train_loss, norm, param_max):
+                raise stopped_on(step, problem)
+            rows.append({"train/loss": train_loss, "train/lr": lr, "train/grad_norm": norm})
+        tracker.advance(len(rows))
+        first = unread[0][0]
+        unread.clear()
+        for i, row in enumerate(rows[:-1]):
+            tracker.log(first + i + 1, row, line=False)
+        return rows
+
     model.train()
     exit_code = 0
     t_run = time.perf_counter()
@@ -322,48 +352,25 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
             tracker.info(f"step 0: validation loss {last_val:.4f}")
         t0, tokens_since = time.perf_counter(), 0
         for step in range(start, steps):
-            if any_rank(preemption.requested(), device):
+            if stop_poll.poll(preemption.requested()):
+                if rows := read_health():
+                    tracker.log(step, rows[-1], line=False)
                 stop(step)
             lr = lr_at(step, steps, cfg.optim.lr, cfg.optim.warmup_frac, cfg.optim.start_ratio,
                        cfg.optim.final_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
             inputs, targets = loader.next_batch()
-            loss_sum = torch.zeros((), device=device)
-            for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
-                quant.set_quant_step(step, micro)
-                if micro == 0 and graphs:
-                    # Once per optimizer step: a later micro-step's replay would overwrite the
-                    # graph outputs that the gradients being accumulated still are.
-                    torch.compiler.cudagraph_mark_step_begin()
-                if fsdp:
-                    model.set_requires_gradient_sync(micro == accum - 1)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    loss = model(x.to(device), y.to(device))
-                (loss / accum).backward()
-                loss_sum += loss.detach().float()
-            loss_mean = all_reduce_mean(loss_sum / accum)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            # One read of the step's health: a non-finite value stops the run here, before this
-            # step is logged or saved.
-            health = torch.stack([loss_mean, grad_norm.float(), param_max_abs(model.parameters())])
-            train_loss, norm, param_max = health.tolist()
-            if problem := first_nonfinite(train_loss, norm, param_max):
-                raise stopped_on(step, problem)
+            unread.append((step, lr, train_step(step, inputs, targets, lr)))
             tokens_since += tokens_per_step
-            tracker.advance()
 
             done = step + 1
-            metrics: dict[str, Any] = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": norm}
-            if done % cfg.train.log_every == 0 or done == steps:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - t0
+            log_now = done % cfg.train.log_every == 0 or done == steps
+            eval_now = done % cfg.train.eval_every == 0 or done == steps
+            save_now = done % cfg.train.ckpt_every == 0 or done == steps
+            if not (log_now or eval_now or save_now):
+                continue
+            metrics: dict[str, Any] = read_health()[-1]
+            if log_now:
+                elapsed = time.perf_counter() - t0  # read_health waited for the GPU
                 tps = tokens_since / elapsed
                 metrics |= {
                     "perf/tokens_per_s": tps,
@@ -372,15 +379,16 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
                     "perf/peak_memory_gib": peak_memory_gib(device),
                     "perf/eta_min": (steps - done) * tokens_per_step / tps / 60,
                 }
-                t0, tokens_since = time.perf_counter(), 0
-            if done % cfg.train.eval_every == 0 or done == steps:
+            if eval_now:
                 last_val = evaluate(model, data_dir, cfg, di, autocast)
                 metrics["val/loss"] = last_val
-            tracker.log(done, metrics, line="perf/tokens_per_s" in metrics or "val/loss" in metrics)
-            if "val/loss" in metrics:
+            tracker.log(done, metrics, line=log_now or eval_now)
+            if eval_now:
                 tracker.info(f"step {done}: validation loss {last_val:.4f}")
-            if done % cfg.train.ckpt_every == 0 or done == steps:
+            if save_now:
                 save(done)
+            if log_now:
+                t0, tokens_since = time.perf_counter(), 0
 
         try:
             checkpoints.wait()

@@ -74,7 +74,14 @@ OPERAND_STREAMS = {"a": 0, "b": 1, "signs": 2}
 
 
 def _step_key_value() -> int:
-    return derive_seed(_STATE.seed, _STATE.step, _STATE.micro_step, _STATE.rank)
+    return step_key_value(_STATE.step, _STATE.micro_step)
+
+
+def step_key_value(step: int, micro_step: int) -> int:
+    """The step key's value at (``step``, ``micro_step``) of this run's seed and rank: what
+    :func:`set_quant_step` fills :func:`step_key` with (for a caller that fills it on the device,
+    as a replayed CUDA graph of a whole step does, ``training.step``)."""
+    return derive_seed(_STATE.seed, step, micro_step, _STATE.rank)
 
 
 def _refresh_keys() -> None:
@@ -154,6 +161,12 @@ def set_quant_step(step: int, micro_step: int = 0) -> None:
     """Set the optimizer step and micro-step whose backward passes draw next."""
     _STATE.step, _STATE.micro_step = int(step), int(micro_step)
     _refresh_keys()
+
+
+def set_quant_counters(step: int, micro_step: int) -> None:
+    """Set the counters as :func:`set_quant_step` does, but leave the device keys as they are
+    (their caller refills them on the device with :func:`step_key_value`'s values)."""
+    _STATE.step, _STATE.micro_step = int(step), int(micro_step)
 
 
 @contextmanager

@@ -27,6 +27,7 @@ from training import checkpoint as ckpt
 from training.checkpoint import Checkpointer, file_checksum, read_extra, verify
 from training.distributed import init_distributed
 from training.preemption import REQUEUE_FILE, STOP_FILE, PreemptionWatcher
+from training.step import TrainStep
 from training.tracking import Tracker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -311,15 +312,16 @@ def test_resaving_a_step_never_loses_it(tiny, monkeypatch):
 def test_ctrl_c_checkpoints_and_stops(tiny, monkeypatch):
     cfg = tiny("train.steps=6", "train.ckpt_every=100", "train.eval_every=1000")
     callers_handler = signal.getsignal(signal.SIGINT)
-    real_log = Tracker.log
+    real_step = TrainStep.__call__
 
-    def log_then_ctrl_c(self, step, *args, **kwargs):
-        real_log(self, step, *args, **kwargs)
-        if step == 3:
+    def step_then_ctrl_c(self, step, *args, **kwargs):
+        health = real_step(self, step, *args, **kwargs)
+        if step + 1 == 3:
             os.kill(os.getpid(), signal.SIGINT)
+        return health
 
     with monkeypatch.context() as m:
-        m.setattr(Tracker, "log", log_then_ctrl_c)
+        m.setattr(TrainStep, "__call__", step_then_ctrl_c)
         with pytest.raises(train.Interrupted, match=r"stopped by Ctrl-C before step 4: checkpointed step 3 to .*"
                                                     r"Resume with the same command"):
             train.run(cfg, handle_ctrl_c=True)

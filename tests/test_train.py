@@ -33,7 +33,7 @@ from training.config_checks import ConfigError
 from training.optim import build_adamw, param_groups
 from training.preemption import REQUEUE_FILE, STOP_FILE
 from training.schedule import lr_at
-from training.tracking import Tracker
+from training.step import TrainStep
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_tiny_run_loss_falls(tiny):
 def interrupt(how: str, stop: int, monkeypatch: pytest.MonkeyPatch, run_dir: Path):
     """Patches that stop a run after ``stop`` steps: ``ctrl_c`` raises KeyboardInterrupt right
     after the checkpoint of step ``stop`` is written; ``preempt`` drops the stop-request file (as
-    the Slurm batch script does) once step ``stop`` is logged, so the run checkpoints and exits."""
+    the Slurm batch script does) once step ``stop`` has run, so the run checkpoints and exits."""
     if how == "ctrl_c":
         real_save = Checkpointer.save
 
@@ -141,14 +141,15 @@ def interrupt(how: str, stop: int, monkeypatch: pytest.MonkeyPatch, run_dir: Pat
 
         monkeypatch.setattr(Checkpointer, "save", save_then_interrupt)
         return KeyboardInterrupt
-    real_log = Tracker.log
+    real_step = TrainStep.__call__
 
-    def log_then_request_stop(self, step, *args, **kwargs):
-        real_log(self, step, *args, **kwargs)
-        if step == stop:
+    def step_then_request_stop(self, step, *args, **kwargs):
+        health = real_step(self, step, *args, **kwargs)
+        if step + 1 == stop:
             (run_dir / STOP_FILE).touch()
+        return health
 
-    monkeypatch.setattr(Tracker, "log", log_then_request_stop)
+    monkeypatch.setattr(TrainStep, "__call__", step_then_request_stop)
     return train.Preempted
 
 

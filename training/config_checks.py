@@ -61,6 +61,11 @@ def check_train_config(cfg: DictConfig, world_size: int) -> None:
             f"train.eval_batch_size={t.eval_batch_size} is not divisible by the "
             f"{world_size} ranks. Fix: make it a multiple of the world size."
         )
+    if cfg.cuda_graph not in ("auto", True, False):
+        raise ConfigError(f"cuda_graph={cfg.cuda_graph} must be auto, true or false.")
+    if cfg.parallel.fsdp not in ("auto", True):
+        raise ConfigError(f"parallel.fsdp={cfg.parallel.fsdp} must be auto (FSDP2 when world size > 1) or "
+                          f"true (also in one process).")
     for key in ("timeout_s", "stop_grace_s"):
         value = cfg.parallel[key]
         if not isinstance(value, (int, float)) or value <= 0:

@@ -127,6 +127,39 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+class AnyRankLagged:
+    """:func:`any_rank` of a flag polled once per step, agreed one poll late so that no step
+    waits for the GPU: each poll starts the all-reduce of this step's flag (non-blocking) and
+    returns the result of the previous poll's, whose copy to the host was queued behind the
+    steps before. Every rank gets the same answer at the same poll. In one process the flag
+    itself, at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def poll(self, flag: bool) -> bool:
+        if not dist.is_initialized():
+            return flag
+        agreed = False
+        if self._pending is not None:
+            host, done = self._pending
+            if done is not None:
+                done.synchronize()
+            agreed = bool(host.item())
+        t = torch.full((1,), 1.0 if flag else 0.0, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True).wait()  # the stream waits, not the host
+        if self.device.type == "cuda":
+            host = torch.empty(1, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = t, None
+        self._pending = host, done
+        return agreed
+
+
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the world size (0 and 1 without a process group)."""
     if not dist.is_initialized():

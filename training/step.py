@@ -1,0 +1,169 @@
+"""One optimizer step of the trainer, run eagerly or replayed as one CUDA graph.
+
+A step is: for each micro-batch, set the quantizers' step key (``quant.randomness``), forward
+under BF16 autocast and backward; then the mean loss over ranks, gradient clipping, AdamW and the
+step's *health vector* ``[loss, gradient norm, max |p|]`` (:mod:`training.health`). The step
+returns the health vector on the device and never waits for the GPU: the trainer reads the
+vectors of several steps at once, on log, validation and checkpoint steps (train.py).
+
+With ``cuda_graph`` the whole step (every micro-batch, clipping, AdamW) is captured once in a CUDA
+graph after :data:`WARMUP_STEPS` eager steps, and later steps replay it: a small model's step then
+costs no host time per kernel (``torch.compile`` alone still launches each kernel from Python).
+What changes between steps reaches the graph as data: the batch is copied into static input
+buffers, the learning rate into AdamW's tensor ``lr``, and each micro-step's Philox key into the
+quantizers' step key (:func:`quant.randomness.step_key`), so a replay computes exactly the step
+that an eager call would. :func:`graph_blocker` says when a graph cannot be used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from quant import backend as quant_backend
+from quant import randomness
+
+from .distributed import all_reduce_mean
+from .health import param_max_abs
+
+WARMUP_STEPS = 2
+"""Eager steps before the capture: the first compiles the kernels and ``torch.compile``'s
+graphs, the second runs them once more, as capture requires (nothing may compile during it)."""
+
+
+def graph_blocker(device: torch.device, distributed: bool, compile_mode: str, scheme_name: str) -> str | None:
+    """Why the step cannot be one CUDA graph here, or None when it can: it needs one process on
+    a CUDA device, no cudagraph trees of ``torch.compile`` (``reduce-overhead``,
+    ``max-autotune``), and quantizers that draw on the device (the kernels' Philox draws: the
+    reference backend and ``NVFP4_DRAWS=torch`` seed a generator on the host per GEMM, which a
+    replay would repeat)."""
+    if device.type != "cuda":
+        return f"it runs on {device.type}, not a CUDA GPU"
+    if distributed:
+        return "FSDP2's collectives run outside CUDA graphs (more than one process)"
+    if compile_mode in ("reduce-overhead", "max-autotune"):
+        return f"compile_mode={compile_mode} replays each block as its own CUDA graphs"
+    if scheme_name != "bf16":
+        if quant_backend.get_backend() == "reference":
+            return "the reference quantizers draw their randomness on the host (NVFP4_BACKEND=reference)"
+        if quant_backend.get_draws() != "philox":
+            return "NVFP4_DRAWS=torch draws the kernels' uniforms from host-seeded generators"
+    return None
+
+
+class TrainStep:
+    """The optimizer step of ``model`` and ``optimizer`` (see the module docstring).
+
+    ``accum`` micro-batches of ``micro_batch`` sequences per step; ``autocast``: BF16 autocast;
+    ``grad_clip``: the clipping norm; ``fsdp``: gradient synchronisation on the last micro-batch
+    only; ``cuda_graph``: capture and replay the step (check :func:`graph_blocker` first);
+    ``block_graphs``: the compiled blocks replay as cudagraph trees (``compile_mode``
+    ``reduce-overhead``), so each step starts with ``torch.compiler.cudagraph_mark_step_begin()``."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, accum: int, device: torch.device,
+                 autocast: bool, grad_clip: float, fsdp: bool, cuda_graph: bool,
+                 block_graphs: bool = False) -> None:
+        self.model, self.optimizer, self.accum, self.device = model, optimizer, accum, device
+        self.block_graphs = block_graphs
+        self.autocast, self.grad_clip, self.fsdp, self.cuda_graph = autocast, grad_clip, fsdp, cuda_graph
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.health: torch.Tensor | None = None
+        self.stream = torch.cuda.Stream(device) if cuda_graph else None
+        self.inputs: torch.Tensor | None = None
+        self.targets: torch.Tensor | None = None
+        if cuda_graph:
+            # The step's changing values as device tensors the graph reads: AdamW's learning rate
+            # and the quantizers' key of each micro-step.
+            for group in optimizer.param_groups:
+                group["lr"] = torch.tensor(float(group["lr"]), device=device)
+                group["capturable"] = True  # AdamW keeps its step counts on the device
+            self.keys = torch.zeros(accum, dtype=torch.int64, device=device)
+            self.step_key = randomness.step_key(device)
+
+    def __call__(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> torch.Tensor:
+        """Run optimizer step ``step`` on the host batch ``inputs``/``targets`` (``[sequences,
+        seq_len]``) at learning rate ``lr``; returns its health vector (on the device, a tensor
+        of its own)."""
+        self.calls += 1
+        if not self.cuda_graph:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            return self._run(step, self._to_device(inputs), self._to_device(targets), lambda m: None)
+        side = self.stream
+        side.wait_stream(torch.cuda.current_stream(self.device))  # e.g. a validation that read the weights
+        with torch.cuda.stream(side):
+            if self.inputs is None:
+                self.inputs = torch.empty(inputs.shape, dtype=inputs.dtype, device=self.device)
+                self.targets = torch.empty(targets.shape, dtype=targets.dtype, device=self.device)
+            self.inputs.copy_(inputs.pin_memory(), non_blocking=True)
+            self.targets.copy_(targets.pin_memory(), non_blocking=True)
+            for group in self.optimizer.param_groups:
+                group["lr"].fill_(lr)
+            keys = torch.tensor([randomness.step_key_value(step, m) for m in range(self.accum)],
+                                dtype=torch.int64).pin_memory()
+            self.keys.copy_(keys, non_blocking=True)
+            if self.graph is not None:
+                self.graph.replay()
+                health = self.health.clone()
+            elif self.calls <= WARMUP_STEPS:
+                health = self._graph_body(step)
+            else:
+                health = self._capture(step)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        randomness.set_quant_step(step, self.accum - 1)  # the counters an eager step leaves
+        return health
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # a pinned copy does not wait for the GPU
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _graph_body(self, step: int) -> torch.Tensor:
+        def set_key(micro: int) -> None:
+            self.step_key.copy_(self.keys[micro:micro + 1])
+            randomness.set_quant_counters(step, micro)
+
+        return self._run(step, self.inputs, self.targets, set_key)
+
+    def _capture(self, step: int) -> torch.Tensor:
+        """This step as the warm-up of the capture (it trains), then the capture (which does not
+        run): later steps replay it."""
+        health = self._graph_body(step).clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            self.health = self._graph_body(step)
+        self.graph = graph
+        return health
+
+    def _run(self, step: int, inputs: torch.Tensor, targets: torch.Tensor,
+             set_key: Callable[[int], None]) -> torch.Tensor:
+        model, accum = self.model, self.accum
+        loss_sum = torch.zeros((), device=self.device)
+        for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+            if micro == 0 and self.block_graphs:
+                # Once per optimizer step: a later micro-step's replay would overwrite the graph
+                # outputs that the gradients being accumulated still are.
+                torch.compiler.cudagraph_mark_step_begin()
+            if self.cuda_graph:
+                set_key(micro)
+            else:
+                randomness.set_quant_step(step, micro)
+            if self.fsdp:
+                model.set_requires_gradient_sync(micro == accum - 1)
+            # autocast's cast cache must be off inside a CUDA graph capture
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast,
+                                cache_enabled=not self.cuda_graph):
+                loss = model(x, y)
+            (loss / accum).backward()
+            loss_sum += loss.detach().float()
+        loss_mean = all_reduce_mean(loss_sum / accum)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return torch.stack([loss_mean, grad_norm.float(), param_max_abs(model.parameters())])
