@@ -39,7 +39,8 @@ def run_scheme(args: argparse.Namespace, scheme: str, root: Path) -> dict:
         f"train.seq_len={args.seq}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
         f"train.eval_every={args.eval_every or args.steps}", f"train.ckpt_every={args.ckpt_every or args.steps}",
         f"data.vocab_size={args.vocab}", f"model.vocab_size={args.vocab}", f"compile={str(args.compile).lower()}",
-        "wandb.enabled=false", "resume=false", f"run_dir={run_dir}", f"data.cache_dir={args.data_cache}",
+        "train.eval_batches=1", "train.eval_batch_size=16", "wandb.enabled=false", "resume=false",
+        f"run_dir={run_dir}", f"data.cache_dir={args.data_cache}",
         *(["parallel.fsdp=true"] if args.fsdp else []), *args.overrides,
     ]
     launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}"] if args.fsdp
