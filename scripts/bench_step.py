@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 def step_times(args: argparse.Namespace, scheme: str, ac: str, device: torch.device, mesh=None) -> dict:
     cfg = yaml.safe_load((REPO / "configs" / "model" / f"{args.model}.yaml").read_text())
     cfg["max_seq_len"] = max(cfg["max_seq_len"], args.seq)
+    cfg["vocab_size"] = args.vocab or cfg["vocab_size"]
     model = build_model(cfg, device="meta")
     quant.quantize_model(model, scheme)
     flops_per_token = model.flops_per_token(args.seq)
@@ -206,6 +207,7 @@ def main() -> None:
     p.add_argument("--ac", nargs="+", default=["none"], help="activation checkpointing modes to time")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the preset's)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true")
