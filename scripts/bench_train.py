@@ -5,6 +5,7 @@
     python scripts/bench_train.py --model 100m --schemes bf16 nvidia tetrajet_v2 four_over_six quartet2
     python scripts/bench_train.py --model 1.9b --fsdp --steps 40            # FSDP2 on one rank
     python scripts/bench_train.py --model 30m -- cuda_graph=false           # any train.py override
+    python scripts/bench_train.py --suite                                   # every row of SUITE
 
 Each scheme is one ``python train.py`` run (``torchrun --nproc_per_node N train.py`` with
 ``--fsdp``, where ``parallel.fsdp=true`` shards even one rank) on the bundled corpus's token
@@ -30,9 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_scheme(args: argparse.Namespace, scheme: str, root: Path) -> dict:
-    """One train.py run of ``scheme``; its median tokens/s, wall time and final losses."""
-    run_dir = root / scheme
+def run_scheme(args: argparse.Namespace, scheme: str, run_dir: Path) -> dict:
+    """One train.py run of ``scheme`` in ``run_dir``; its median tokens/s, wall time and final losses."""
     overrides = [
         f"quant={scheme}", f"model={args.model}", f"train.batch_size={args.batch}",
         f"train.micro_batch_size={args.micro_batch or args.batch // args.nproc}",
@@ -61,6 +61,31 @@ def run_scheme(args: argparse.Namespace, scheme: str, root: Path) -> dict:
             "graph": next((line for line in proc.stdout.splitlines() if "CUDA graph" in line), "")}
 
 
+SUITE = (
+    dict(model="30m", batch=32, vocab=4096, steps=100, fsdp=False),
+    dict(model="30m", batch=64, vocab=8192, steps=60, fsdp=False),
+    dict(model="100m", batch=32, vocab=4096, steps=60, fsdp=False),
+    dict(model="1.9b", batch=32, vocab=4096, steps=30, log_every=5, fsdp=True),
+)
+"""``--suite``: the settings of docs/performance.md's trainer table (sequence length 512)."""
+
+
+def table(args: argparse.Namespace, root: Path) -> list[str]:
+    """The markdown rows of one setting, every scheme of ``args.schemes``."""
+    rows, base = [], None
+    for scheme in args.schemes:
+        r = run_scheme(args, scheme, root / f"{args.model}-{args.batch}-{args.vocab}-{scheme}")
+        base = base or r["tps"]
+        if r["graph"]:
+            print(f"  {scheme}: {r['graph'].strip()}")
+        rows.append(f"| {args.model}, {args.batch}×{args.seq}, vocabulary {args.vocab}"
+                    f"{', FSDP2' if args.fsdp else ''} | {scheme} | {r['tps']:,.0f} | "
+                    f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f} | {base / r['tps']:.2f} | {r['wall']:.0f} | "
+                    f"{r['mem']:.1f} | {r['loss']:.4f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="30m")
@@ -79,25 +104,22 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks with --fsdp")
     p.add_argument("--data-cache", default=str(REPO / "data" / "cache"))
     p.add_argument("--keep", default=None, help="keep the run directories here (default: a temporary one)")
+    p.add_argument("--suite", action="store_true", help="every setting of SUITE in turn (--model, --batch, "
+                   "--vocab, --steps, --fsdp as it says)")
     p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
     args = p.parse_args()
     ranks = f"FSDP2 on {args.nproc} rank(s)" if args.fsdp else "1 process"
-    print(f"train.py: model {args.model}, {args.batch}×{args.seq} tokens/step, vocabulary {args.vocab}, "
-          f"{args.steps} steps, compile={str(args.compile).lower()}, {ranks}"
+    setting = ("the settings of SUITE" if args.suite else
+               f"model {args.model}, {args.batch}×{args.seq} tokens/step, vocabulary {args.vocab}, "
+               f"{args.steps} steps, {ranks}")
+    print(f"train.py: {setting}, compile={str(args.compile).lower()}"
           + (f", overrides {' '.join(args.overrides)}" if args.overrides else ""), flush=True)
-    rows = ["| scheme | tokens/s (median) | range | × first scheme | wall (s) | peak mem (GiB) | final train loss |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| setting | scheme | tokens/s (median) | range | × first scheme | wall (s) | peak mem (GiB) "
+            "| final train loss |", "|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
-        base = None
-        for scheme in args.schemes:
-            r = run_scheme(args, scheme, root)
-            base = base or r["tps"]
-            if r["graph"]:
-                print(f"  {scheme}: {r['graph'].strip()}")
-            rows.append(f"| {scheme} | {r['tps']:,.0f} | {r['spread'][0]:,.0f}–{r['spread'][1]:,.0f} | "
-                        f"{base / r['tps']:.2f} | {r['wall']:.0f} | {r['mem']:.1f} | {r['loss']:.4f} |")
-            print(rows[-1], flush=True)
+        for setting in SUITE if args.suite else ({},):
+            rows += table(argparse.Namespace(**{**vars(args), **setting}), root)
     print("\n" + "\n".join(rows))
 
 

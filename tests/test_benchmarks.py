@@ -85,3 +85,18 @@ def test_kernel_report_compiles_the_explicit_draw_path_offline():
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sum(line.startswith(("| sr |", "| rht128_eden_posthoc |")) for line in r.stdout.splitlines()) == 2
+
+
+def test_bench_train_runs_train_py_per_scheme(data_cache):
+    """bench_train drives train.py itself: one run per scheme, whose logged tokens/s it reports
+    with the ratio of step times to the first scheme (here bf16, on CPU, uncompiled)."""
+    r = subprocess.run(
+        [sys.executable, "scripts/bench_train.py", "--model", "tiny", "--schemes", "bf16", "quartet2",
+         "--batch", "4", "--seq", "64", "--steps", "9", "--log-every", "3", "--skip", "1", "--no-compile",
+         "--data-cache", str(data_cache), "--", "device=cpu", "precision=fp32"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| tiny, 4×64")]
+    assert [row[2].strip() for row in rows] == ["bf16", "quartet2"] * 2  # as measured, then the table
+    assert float(rows[-2][5]) == 1.0 and float(rows[-1][5]) > 0
+    assert all(float(row[3].replace(",", "")) > 0 for row in rows)

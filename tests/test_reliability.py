@@ -113,6 +113,18 @@ def test_nan_gradient_with_finite_loss_stops_before_saving(tiny, tmp_path, monke
     assert summary["steps"] == 8 and sorted(read_metrics(cfg.run_dir)) == list(range(0, 9))
 
 
+def test_nan_between_reads_is_found_at_its_step(tiny, monkeypatch):
+    """The health of steps 5–8 is read once, at the checkpoint of step 8: the run stops there,
+    names step 5, and logs and saves nothing from step 5 on."""
+    with monkeypatch.context() as m:
+        poison_gradient_at(m, 5)
+        cfg = tiny("train.steps=8", "train.ckpt_every=4", "train.log_every=100", "train.eval_every=1000")
+        with pytest.raises(train.TrainingError, match=r"gradient norm is nan .*at step 5\b"):
+            train.run(cfg)
+    assert checkpoint_steps(cfg.run_dir) == [4]
+    assert max(read_metrics(cfg.run_dir)) == 4
+
+
 def test_nonfinite_parameter_after_the_update_stops_the_run(tiny, monkeypatch):
     real_step = torch.optim.AdamW.step
     calls = {"n": 0}

@@ -33,7 +33,7 @@ from training.config_checks import ConfigError
 from training.optim import build_adamw, param_groups
 from training.preemption import REQUEUE_FILE, STOP_FILE
 from training.schedule import lr_at
-from training.step import TrainStep
+from training.step import TrainStep, graph_blocker
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -411,3 +411,48 @@ def test_compiled_blocks_train_like_eager(tiny, tmp_path, monkeypatch):
         assert b[step]["train/loss"] == pytest.approx(a[step]["train/loss"], rel=1e-4)
         assert b[step]["train/grad_norm"] == pytest.approx(a[step]["train/grad_norm"], rel=1e-4)
     assert compiled["final_val_loss"] == pytest.approx(eager["final_val_loss"], rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- the step as a CUDA graph
+
+
+def test_graph_blocker_names_each_reason():
+    from quant import backend
+
+    cuda = torch.device("cuda", 0)
+    assert graph_blocker(cuda, False, "default", "quartet2") is None
+    assert "not a CUDA GPU" in graph_blocker(torch.device("cpu"), False, "default", "quartet2")
+    assert "FSDP2" in graph_blocker(cuda, True, "default", "bf16")
+    assert "reduce-overhead" in graph_blocker(cuda, False, "reduce-overhead", "bf16")
+    with backend.use_backend("reference"):
+        assert "NVFP4_BACKEND=reference" in graph_blocker(cuda, False, "default", "nvidia")
+        assert graph_blocker(cuda, False, "default", "bf16") is None  # nothing is quantized
+    with backend.use_backend("auto", draws="torch"):
+        assert "NVFP4_DRAWS=torch" in graph_blocker(cuda, False, "default", "quartet2")
+
+
+@pytest.mark.parametrize("key,value", [("cuda_graph", "yes"), ("parallel.fsdp", "false")])
+def test_graph_and_fsdp_settings_are_checked(tiny, key, value):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        train.run(tiny(f"{key}={value}"))
+
+
+def test_cuda_graph_true_where_it_cannot_run_names_why(tiny):
+    with pytest.raises(train.TrainingError, match=r"cuda_graph=true.*runs on cpu.*cuda_graph=auto"):
+        train.run(tiny("cuda_graph=true"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the step graph needs a CUDA GPU")
+def test_replayed_step_graph_trains_the_same_bits_as_eager_steps(tiny):
+    """quartet2, compiled: every logged loss of a run whose steps replay one CUDA graph equals
+    that of the same run stepped eagerly, bit for bit (the step's changing values reach the
+    graph as data: batch, learning rate, each micro-step's Philox key)."""
+    common = ["device=cuda", "precision=bf16", "compile=true", "train.steps=12", "train.log_every=4",
+              "train.eval_every=6", "train.ckpt_every=6", "train.micro_batch_size=4"]
+    losses = {}
+    for graph in ("true", "false"):
+        cfg = tiny(*common, f"cuda_graph={graph}", run=f"graph-{graph}")
+        train.run(cfg)
+        rows = read_metrics(cfg.run_dir)
+        losses[graph] = [(s, r.get("train/loss"), r.get("val/loss")) for s, r in sorted(rows.items())]
+    assert losses["true"] == losses["false"]

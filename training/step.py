@@ -34,16 +34,16 @@ WARMUP_STEPS = 2
 graphs, the second runs them once more, as capture requires (nothing may compile during it)."""
 
 
-def graph_blocker(device: torch.device, distributed: bool, compile_mode: str, scheme_name: str) -> str | None:
-    """Why the step cannot be one CUDA graph here, or None when it can: it needs one process on
-    a CUDA device, no cudagraph trees of ``torch.compile`` (``reduce-overhead``,
+def graph_blocker(device: torch.device, fsdp: bool, compile_mode: str, scheme_name: str) -> str | None:
+    """Why the step cannot be one CUDA graph here, or None when it can: it needs a CUDA device,
+    no FSDP2 (``fsdp``), no cudagraph trees of ``torch.compile`` (``reduce-overhead``,
     ``max-autotune``), and quantizers that draw on the device (the kernels' Philox draws: the
     reference backend and ``NVFP4_DRAWS=torch`` seed a generator on the host per GEMM, which a
     replay would repeat)."""
     if device.type != "cuda":
         return f"it runs on {device.type}, not a CUDA GPU"
-    if distributed:
-        return "FSDP2's collectives run outside CUDA graphs (more than one process)"
+    if fsdp:
+        return "FSDP2's collectives are not captured in CUDA graphs (FSDP2 runs whenever world size > 1)"
     if compile_mode in ("reduce-overhead", "max-autotune"):
         return f"compile_mode={compile_mode} replays each block as its own CUDA graphs"
     if scheme_name != "bf16":
