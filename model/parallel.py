@@ -27,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from quant import QuantLinear
+from quant import backend as quant_backend
 from quant import randomness as quant_randomness
 from quant.randomness import derive_seed
 
@@ -68,7 +69,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
 
 def apply_compile(model: nn.Module, mode: str = "default") -> None:
     """Compile each block separately (the blocks are identical, so one compilation serves all),
-    in ``torch.compile``'s ``mode``."""
+    in ``torch.compile``'s ``mode``. Whether triton imports is decided first: traced while still
+    undecided, it made every compiled block recompile once after its first call (a guard on the
+    cached answer, seen with ``TORCH_LOGS=recompiles`` on an H200, 2026-12-02)."""
+    quant_backend.triton_available()
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block, mode=mode)
 
