@@ -312,7 +312,9 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
     if cfg.cuda_graph is True and blocker:
         raise TrainingError(f"cuda_graph=true, but the step cannot be one CUDA graph here: {blocker}. "
                             f"Fix: cuda_graph=auto (or false).")
-    use_graph = cfg.cuda_graph == "auto" and blocker is None or cfg.cuda_graph is True
+    if cfg.cuda_graph == "auto" and blocker is None and not cfg.compile:
+        blocker = "compile=false (cuda_graph=auto captures compiled steps; cuda_graph=true forces it)"
+    use_graph = cfg.cuda_graph is True or (cfg.cuda_graph == "auto" and blocker is None)
     if cfg.cuda_graph == "auto" and device.type == "cuda":
         tracker.info("each step replays as one CUDA graph (cuda_graph=auto)" if use_graph else
                      f"steps run without a CUDA graph: {blocker}")
