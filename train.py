@@ -24,6 +24,7 @@ if __name__ == "__main__":
 
     install_early()
 
+import json
 import math
 import shlex
 import sys
@@ -43,6 +44,7 @@ from data.tokenizer import check_vocab
 from model import build_model
 from model.parallel import materialize, parallelize, replays_cuda_graphs
 from quant import randomness
+from training.baseline import CONFIG_FILE, BaselineError, LiveGap
 from training.checkpoint import Checkpointer, CheckpointError, check_fingerprint, config_fingerprint, read_extra
 from training.config_checks import check_train_config
 from training.distributed import AnyRankLagged, DistInfo, all_reduce_mean, barrier, init_distributed, shutdown
@@ -166,6 +168,9 @@ def _train(cfg: DictConfig, di: DistInfo, handle_ctrl_c: bool = False) -> dict[s
         why = ("resume=false" if not cfg.resume else
                "no checkpoint of it verifies" if skipped else "it has no checkpoint")
         notes.append(f"starting from step 0 ({why}): the earlier run in {run_dir} was moved to {aside}")
+    if di.is_main:  # what a quantized run looks for in its bf16 baseline (training/baseline.py)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / CONFIG_FILE).write_text(json.dumps(OmegaConf.to_container(cfg, resolve=True), default=str))
     barrier()
     preemption = PreemptionWatcher(run_dir, interrupt_signal=handle_ctrl_c)
     if di.is_main:
@@ -253,8 +258,28 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
         + (f"resuming at step {start} from {latest}" if latest else "starting from step 0")
         + f"; dir {run_dir}"
     )
-    for note in ([tracker.wandb_note] if getattr(tracker, "wandb_note", None) else []) + notes:
+    gaps = None
+    if main_rank:
+        try:
+            gaps = LiveGap(resolved, run_dir, tracker.wandb_project)
+        except BaselineError as err:
+            tracker.finish(1)
+            raise TrainingError(str(err)) from err
+        if start:
+            gaps.resume([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                         if line.strip()])
+    for note in ([gaps.line] if gaps else []) + (
+            [tracker.wandb_note] if getattr(tracker, "wandb_note", None) else []) + notes:
         tracker.info(note)
+
+    def with_gap(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """``metrics`` of a validation step, with a loss gap when one is ready to log."""
+        if gaps is None:
+            return metrics
+        row, found = gaps.at_validation(step, metrics["val/loss"])
+        if found:
+            tracker.info(found)
+        return metrics | row
 
     def save(step: int, force_sync: bool = False) -> Path:
         try:
@@ -350,7 +375,7 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
     try:
         if start == 0:  # the loss at initialisation: ln(vocab) for a well-initialised model
             last_val = evaluate(model, data_dir, cfg, di, autocast)
-            tracker.log(0, {"val/loss": last_val}, line=False)
+            tracker.log(0, with_gap(0, {"val/loss": last_val}), line=False)
             tracker.info(f"step 0: validation loss {last_val:.4f}")
         t0, tokens_since = time.perf_counter(), 0
         for step in range(start, steps):
@@ -383,7 +408,7 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
                 }
             if eval_now:
                 last_val = evaluate(model, data_dir, cfg, di, autocast)
-                metrics["val/loss"] = last_val
+                metrics = with_gap(done, metrics | {"val/loss": last_val})
             tracker.log(done, metrics, line=log_now or eval_now)
             if eval_now:
                 tracker.info(f"step {done}: validation loss {last_val:.4f}")
@@ -399,6 +424,16 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
         summary = {"final_val_loss": last_val, "steps": steps, "tokens": steps * tokens_per_step,
                    "non_embedding_params": n_params, "scheme": scheme.name,
                    "model": cfg.model.name, "world_size": di.world_size}
+        if gaps is not None and gaps.active:
+            tracker.log_after(steps, gaps.remaining())
+            summary |= {"loss_gap": gaps.final(steps),
+                        "loss_gap_baseline": gaps.baseline.where if gaps.baseline else None}
+            if missing := gaps.missing():
+                tracker.info(f"loss gap: the baseline has no validation loss yet at step(s) {missing}; "
+                             f"`python scripts/compare_runs.py {run_dir.parent}` reports them once it has")
+            elif summary["loss_gap"] is not None:
+                tracker.info(f"loss gap at step {steps}: {summary['loss_gap']:+.4f} against "
+                             f"{gaps.baseline.where}")
         tracker.summary(summary)
         minutes = (time.perf_counter() - t_run) / 60
         tracker.info(f"done: final validation loss {last_val:.4f} after {steps} steps "

@@ -68,7 +68,7 @@ def tiny(compose_train, data_cache, tmp_path):
 
     def _cfg(*overrides: str, run: str = "run"):
         return compose_train([*FAST, f"data.cache_dir={data_cache}", f"run_dir={tmp_path / run}",
-                              *overrides])
+                              f"run_root={tmp_path}", *overrides])
 
     # run() restores the signal handlers it installs; should a test break off a run before that,
     # the test process still gets its own back, so that it stops on SIGTERM.

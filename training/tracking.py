@@ -110,6 +110,11 @@ class Tracker:
                 settings=wandb.Settings(quiet=True, silent=True),
             )
             self.wandb_note = _wandb_note(self.wandb, mode)
+            # Loss gaps have their own axis: a gap can be logged after the step it belongs to.
+            self.wandb.define_metric("gap_step")
+            self.wandb.define_metric("val/loss_gap*", step_metric="gap_step")
+        self.wandb_project = (f"{self.wandb.entity}/{self.wandb.project}" if self.wandb is not None
+                              and mode == "online" else None)
         self.bar = None
         self.last_val: float | None = None
         if interactive():
@@ -144,6 +149,15 @@ class Tracker:
         text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         self._line(f"step {step} {text}", above_bar=False)
 
+    def log_after(self, last_step: int, rows: list[dict[str, Any]]) -> None:
+        """Rows that belong to no training step (loss gaps filled in at the end of the run), on
+        their own axis: to metrics.jsonl without a ``step``, to W&B after ``last_step``."""
+        for i, row in enumerate(rows):
+            self._metrics.write(json.dumps(_clean(row)) + "\n")
+            if self.wandb is not None:
+                self.wandb.log(_clean(row), step=last_step + 1 + i)
+        self._metrics.flush()
+
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)
@@ -170,8 +184,12 @@ class NullTracker:
     """What ranks other than 0 use: nothing is written or printed."""
 
     run_id = None
+    wandb_project = None
 
     def info(self, msg: str) -> None:
+        pass
+
+    def log_after(self, last_step: int, rows: list[dict[str, Any]]) -> None:
         pass
 
     def log(self, step: int, metrics: dict[str, Any], line: bool = True) -> None:
