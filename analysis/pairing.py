@@ -36,6 +36,7 @@ class GapRow:
     gap_sd: float | None = None
     paired: bool = True
     runs: list[Run] = field(default_factory=list)
+    baselines: list[list[Run]] = field(default_factory=list)  # per run: the baseline run(s) it is taken against
     curve: dict[int, float] = field(default_factory=dict)  # step -> mean gap
 
 
@@ -132,6 +133,7 @@ def compare(runs: list[Run], baseline: str = BASELINE, notes: list[str] | None =
                 row.final_loss = _mean([r.final_val_loss for r, _ in pairs])
                 row.baseline_loss = _mean([b.final_val_loss for _, b in pairs])
                 row.runs = [r for r, _ in pairs]
+                row.baselines = [[b] for _, b in pairs]
                 if len(pairs) < len(rs):
                     notes.append(f"{model} {scheme} {budget_text(budget)}: {len(rs) - len(pairs)} run(s) "
                                  f"without a BF16 run of the same seed left out of the gap")
@@ -140,7 +142,8 @@ def compare(runs: list[Run], baseline: str = BASELINE, notes: list[str] | None =
                 row.gap = row.final_loss - row.baseline_loss
                 row.gap_sd = _sd([r.final_val_loss for r in rs])
                 row.paired = False
-            row.curve = _gap_curve(row.runs, base_by_seed, base_runs, row.paired)
+                row.baselines = [base_runs for _ in rs]
+            row.curve = _gap_curve(row.runs, row.baselines)
             rows.append(row)
 
     def key(r: GapRow) -> tuple:
@@ -149,14 +152,21 @@ def compare(runs: list[Run], baseline: str = BASELINE, notes: list[str] | None =
     return Report(sorted(rows, key=key), sorted(unmatched, key=key), incomplete, notes)
 
 
-def _gap_curve(runs: list[Run], base_by_seed: dict[int, Run], base_runs: list[Run],
-               paired: bool) -> dict[int, float]:
+def run_gap_curve(run: Run, bases: list[Run]) -> dict[int, tuple[float, float]]:
+    """``{step: (gap, baseline loss)}`` of one run against its baseline run(s) (their mean), at
+    the steps both evaluated; never interpolated."""
+    out = {}
+    for step, v in sorted(run.val_curve.items()):
+        ref = [b.val_curve[step] for b in bases if step in b.val_curve]
+        if ref:
+            out[step] = (v - _mean(ref), _mean(ref))
+    return out
+
+
+def _gap_curve(runs: list[Run], baselines: list[list[Run]]) -> dict[int, float]:
     """Mean over runs of val/loss(scheme) − val/loss(baseline) at the steps both evaluated."""
     per_step: dict[int, list[float]] = defaultdict(list)
-    for run in runs:
-        bases = [base_by_seed[run.seed]] if paired else base_runs
-        for step, v in run.val_curve.items():
-            ref = [b.val_curve[step] for b in bases if step in b.val_curve]
-            if ref:
-                per_step[step].append(v - _mean(ref))
+    for run, bases in zip(runs, baselines):
+        for step, (gap, _) in run_gap_curve(run, bases).items():
+            per_step[step].append(gap)
     return {s: _mean(v) for s, v in sorted(per_step.items())}

@@ -3,12 +3,13 @@
 Sources (any mix; :func:`collect_paths` walks them):
 
 * a trainer run directory (``metrics.jsonl`` and/or ``summary.json``); its config is read from
-  ``.hydra/config.yaml`` (Hydra's copy), ``config.yaml``/``config.json`` next to the metrics,
-  or the offline W&B run inside it; model, scheme and seed can also come from its name
-  (``<model>-<scheme>-<budget>-s<seed>``, train.yaml's ``run_name``). Directories are searched
-  recursively (``checkpoints/``, ``.submitit/`` and the like are skipped);
-* an offline W&B run folder ``wandb/offline-run-*/`` found outside a trainer run directory, or
-  a ``.wandb`` file (:mod:`analysis.wandb_log`).
+  ``config.json`` (the resolved config the trainer writes), ``.hydra/config.yaml`` (Hydra's
+  copy) or ``config.yaml``; model, scheme and seed can also come from its name
+  (``<model>-<scheme>-<budget>-s<seed>``, train.yaml's ``run_name``), its W&B run id from the
+  name of the W&B folder inside it. Directories are searched recursively (``checkpoints/``,
+  ``.submitit/`` and the like are skipped);
+* a W&B run folder outside any run directory is not read, only reported with the fix
+  (:mod:`analysis.wandb_folders`).
 
 Runs read through the W&B API are built in :mod:`analysis.wandb_api` with the same helpers.
 """
@@ -25,7 +26,7 @@ from typing import Any
 
 from .errors import CompareError
 from .labels import scheme_label
-from .wandb_log import WandbLog, is_wandb_run_folder, parse_wandb_file, read_wandb_folders, wandb_run_folders
+from .wandb_folders import is_wandb_run_folder, orphan_note, wandb_run_folders, wandb_run_id
 
 RUN_NAME = re.compile(r"^(?P<model>[^-]+)-(?P<scheme>.+)-(?P<budget>\d+(?:\.\d+)?(?:tpp|steps))-s(?P<seed>\d+)$")
 SKIP_DIRS = {"checkpoints", ".submitit", "wandb", ".hydra", "__pycache__", ".git"}
@@ -180,20 +181,12 @@ def val_curve(rows: Iterable[dict], step_key: str) -> dict[int, float]:
 # ----------------------------------------------------------------------------- readers
 
 
-def run_from_wandb_log(log: WandbLog, source: str, path: str) -> Run:
-    """The run an offline W&B log describes."""
-    run = Run(name=log.name or _get(log.config, "run_name") or Path(path).name, source=source, path=path,
-              run_id=log.run_id)
-    apply_summary(run, log.summary)
-    apply_config(run, log.config)
-    apply_name(run, run.name)
-    run.val_curve = val_curve(log.history, "_step")
-    steps = [int(r["_step"]) for r in log.history if r.get("_step") is not None]
-    run.last_step = max(steps) if steps else None
-    return run
-
-
 def _read_local_config(run_dir: Path) -> dict | None:
+    if (run_dir / "config.json").is_file():
+        try:
+            return json.loads((run_dir / "config.json").read_text())
+        except ValueError:
+            pass
     for candidate in (run_dir / ".hydra" / "config.yaml", run_dir / "config.yaml"):
         if candidate.is_file():
             from omegaconf import OmegaConf
@@ -202,8 +195,6 @@ def _read_local_config(run_dir: Path) -> dict | None:
                 return OmegaConf.to_container(OmegaConf.load(candidate), resolve=False)
             except Exception:
                 continue
-    if (run_dir / "config.json").is_file():
-        return json.loads((run_dir / "config.json").read_text())
     return None
 
 
@@ -229,12 +220,8 @@ def read_run_dir(run_dir: Path) -> Run:
     run.last_step = max(steps) if steps else None
     cfg = _read_local_config(run_dir)
     wb_folders = wandb_run_folders(run_dir)
-    if wb_folders:
-        log = read_wandb_folders(wb_folders)[-1]  # the trainer writes one W&B run per run dir
-        run.run_id = log.run_id
-        cfg = cfg or log.config
-        if run.final_val_loss is None and not (run_dir / "summary.json").is_file():
-            run.final_val_loss = number(log.summary.get("final_val_loss"))
+    if wb_folders:  # the trainer writes one W&B run per run dir (a resumed run: more folders, one id)
+        run.run_id = wandb_run_id(wb_folders[-1])
     apply_config(run, cfg)
     apply_name(run, run.name)
     if cfg and cfg.get("run_name") and RUN_NAME.match(str(cfg["run_name"])):
@@ -243,7 +230,8 @@ def read_run_dir(run_dir: Path) -> Run:
 
 
 def collect_paths(paths: Iterable[Path]) -> tuple[list[Run], list[str]]:
-    """Every run under ``paths`` (run dirs, offline W&B folders, .wandb files); notes on skips."""
+    """Every run under ``paths`` (run dirs, searched recursively); notes on what was skipped, a
+    W&B run folder outside a run directory among them (:func:`analysis.wandb_folders.orphan_note`)."""
     runs: list[Run] = []
     notes: list[str] = []
     for root in paths:
@@ -251,12 +239,11 @@ def collect_paths(paths: Iterable[Path]) -> tuple[list[Run], list[str]]:
         if not root.exists():
             raise CompareError(f"{root} does not exist")
         if root.is_file():
-            if root.suffix != ".wandb":
-                raise CompareError(f"{root}: expected a directory or a .wandb file")
-            runs.append(run_from_wandb_log(parse_wandb_file(root), "wandb-offline", str(root)))
-            continue
+            if root.suffix == ".wandb":
+                raise CompareError(orphan_note(root.parent))
+            raise CompareError(f"{root}: expected a run directory or a directory of runs")
         if is_wandb_run_folder(root):
-            runs += [run_from_wandb_log(log, "wandb-offline", log.path) for log in read_wandb_folders([root])]
+            notes.append(orphan_note(root))
             continue
         stack = [root]
         while stack:
@@ -267,8 +254,7 @@ def collect_paths(paths: Iterable[Path]) -> tuple[list[Run], list[str]]:
                 except Exception as err:  # one broken run must not hide the others
                     notes.append(f"skipped {d}: {err}")
                 continue
-            for log in read_wandb_folders(wandb_run_folders(d), notes):
-                runs.append(run_from_wandb_log(log, "wandb-offline", log.path))
+            notes += [orphan_note(folder) for folder in wandb_run_folders(d)]
             try:
                 children = sorted(p for p in d.iterdir() if p.is_dir() and p.name not in SKIP_DIRS)
             except PermissionError:

@@ -1,5 +1,5 @@
 """Runs of a W&B project read through ``wandb.Api()`` (needs an API key and network), and the
-write-back of their loss gaps into the W&B summaries."""
+write-back of their loss gaps (curves and summaries) into those runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CompareError
-from .pairing import GapRow
+from .pairing import GapRow, run_gap_curve
 from .runs import Run, apply_config, apply_name, apply_summary, number, val_curve
 
 
@@ -50,23 +50,41 @@ def _api_run(r: Any, project: str) -> Run:
     return run
 
 
-def writeback(rows: list[GapRow], log: Callable[[str], Any] = print) -> int:
-    """Store each paired run's gap as ``loss_gap`` (and ``loss_gap_baseline``) in its W&B summary;
-    runs not read through the API are skipped with a message. Returns the number of runs written."""
+def _resume_run(run: Run) -> Any:
+    """The W&B run of ``run`` resumed for writing (``wandb.init(resume="must")``)."""
+    import wandb
+
+    entity, project, _ = run.path.split("/")
+    return wandb.init(id=run.run_id, entity=entity, project=project, resume="must",
+                      settings=wandb.Settings(quiet=True, silent=True))
+
+
+def writeback(rows: list[GapRow], log: Callable[[str], Any] = print,
+              resume: Callable[[Run], Any] = _resume_run) -> int:
+    """Write each paired run's gap into its W&B run: the whole gap curve against its baseline
+    (``val/loss_gap``, ``val/loss_gap_rel`` on their own axis ``gap_step``, the step of the two
+    validation losses, logged after the run's last step) and the summary keys ``loss_gap`` and
+    ``loss_gap_baseline``. Runs not read through the API are skipped with a message. ``resume``
+    opens a run for writing (``wandb.init(id=..., resume="must")``). Returns the runs written."""
     written = skipped = 0
     for row in rows:
-        for run in row.runs:
+        for run, bases in zip(row.runs, row.baselines):
             if run.handle is None:
                 skipped += 1
                 continue
-            run.handle.summary["loss_gap"] = row.gap
-            run.handle.summary["loss_gap_baseline"] = row.baseline_loss
-            run.handle.summary.update()
+            w = resume(run)
+            w.define_metric("gap_step")
+            w.define_metric("val/loss_gap*", step_metric="gap_step")
+            for step, (gap, base) in run_gap_curve(run, bases).items():
+                w.log({"gap_step": step, "val/loss_gap": gap, "val/loss_gap_rel": gap / base})
+            w.summary["loss_gap"] = row.gap
+            w.summary["loss_gap_baseline"] = row.baseline_loss
+            w.finish()
             written += 1
     if skipped:
         log(f"--writeback: {skipped} run(s) read from files were skipped: only runs read through "
             f"the W&B API (--wandb ENTITY/PROJECT) can be updated; sync offline runs "
             f"(`wandb sync <run dir>/wandb/offline-run-*`) and rerun with --wandb.")
     if written:
-        log(f"--writeback: loss_gap written to {written} W&B run(s).")
+        log(f"--writeback: the gap curve and loss_gap written to {written} W&B run(s).")
     return written

@@ -1,20 +1,20 @@
 """Compare training runs of several schemes: final validation loss and loss gap to BF16.
 
-    python scripts/compare_runs.py runs/c4_sweep                     # trainer run dirs / offline W&B
+    python scripts/compare_runs.py runs/c4_sweep                     # trainer run dirs
     python scripts/compare_runs.py --wandb my-team/nvfp4-c4-sweep    # a W&B project (API, online)
     python scripts/compare_runs.py runs/c4_sweep --plot gap.png --curves gap_curves.png --out report.md
 
 Sources (any mix, deduplicated):
 
 * a trainer run directory (``metrics.jsonl`` and/or ``summary.json``); its config is read from
-  ``.hydra/config.yaml`` (Hydra's copy), ``config.yaml``/``config.json`` next to the metrics,
-  or the offline W&B run inside it; model, scheme and seed can also come from its name
+  ``config.json`` (the trainer's resolved config), ``.hydra/config.yaml`` (Hydra's copy) or
+  ``config.yaml``; model, scheme and seed can also come from its name
   (``<model>-<scheme>-<budget>-s<seed>``). Directories given on the command line are searched
   recursively (``checkpoints/`` and ``.submitit/`` are skipped);
-* an offline (or online) W&B run folder ``wandb/offline-run-*/`` found outside a trainer run
-  directory, read straight from its ``run-<id>.wandb`` transaction log (no ``wandb sync``):
-  config, summary and history. Folders of one run id (a resumed run) are merged in time order;
-* a W&B project, ``--wandb ENTITY/PROJECT`` (needs an API key and network).
+* a W&B project, ``--wandb ENTITY/PROJECT``, through W&B's public API (needs an API key and
+  network). An offline W&B run folder without its run directory is not read (its ``.wandb`` log
+  is a private format): it is reported with the fix, ``wandb sync <folder>`` and then
+  ``--wandb``.
 
 Pairing: a run is compared with the BF16 runs (``--baseline``, default ``bf16``) of the same model
 and the same token budget (the ``tokens`` of its summary; else tokens-per-parameter × non-embedding
@@ -27,8 +27,10 @@ own section, and so are runs without a final validation loss (unfinished or fail
 Outputs: the markdown report on stdout (and ``--out``), a PNG of loss gap against tokens per
 parameter (one panel per model size, one line per scheme, ``--plot``), optionally a PNG of the gap
 along training (``--curves``: validation loss of the scheme minus BF16's at the same steps), and
-optionally ``--json``. ``--writeback`` stores ``loss_gap`` (and ``loss_gap_baseline``) in the W&B
-summary of every paired run read through the API; runs read from files are skipped with a message.
+optionally ``--json``. ``--writeback`` writes into every paired run read through the API its whole
+gap curve against its baseline (``val/loss_gap`` and ``val/loss_gap_rel`` against their own axis
+``gap_step``) and ``loss_gap`` (and ``loss_gap_baseline``) in its summary; runs read from files
+are skipped with a message.
 
 The reading, pairing and reporting live in the package ``analysis``; this is its command line.
 """
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command line (see the module docstring); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="*", type=Path,
-                   help="run directories, sweep directories, offline W&B run folders or .wandb files")
+                   help="run directories or directories of runs (a sweep's)")
     p.add_argument("--wandb", action="append", default=[], metavar="ENTITY/PROJECT",
                    help="read the runs of a W&B project through the API (repeatable)")
     p.add_argument("--baseline", default=BASELINE, help="scheme the gaps are taken against (default: bf16)")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="also write the markdown report to this file")
     p.add_argument("--json", type=Path, help="also write the numbers as JSON")
     p.add_argument("--writeback", action="store_true",
-                   help="store loss_gap in the W&B summary of every paired run read through the API")
+                   help="write the gap curve and loss_gap into every paired run read through the API")
     a = p.parse_args(argv)
     if not a.paths and not a.wandb:
         p.error("give run directories (e.g. runs/c4_sweep) and/or --wandb ENTITY/PROJECT")

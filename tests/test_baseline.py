@@ -115,3 +115,39 @@ def test_quantized_run_logs_its_gap_against_the_bf16_run(tiny):
     log = (Path(cfg.run_dir) / "train.log").read_text().splitlines()
     assert f"loss gap against the bf16 run {base_cfg.run_dir}" in log[1]
     assert "loss gap: none (this run is the bf16 baseline)" in (Path(base_cfg.run_dir) / "train.log").read_text()
+
+
+class _ApiRun:
+    def __init__(self, rid: str, config: dict, val: dict[int, float]):
+        self.id, self.config, self._val = rid, config, val
+
+    def scan_history(self, keys=None):
+        return [{"_step": s, "val/loss": v} for s, v in self._val.items()]
+
+
+class _Api:
+    """The part of ``wandb.Api`` the baseline search uses."""
+
+    def __init__(self, runs):
+        self._runs = runs
+
+    def runs(self, project, filters=None, order=None):
+        assert project == "team/proj" and filters == {"config.quant.name": "bf16", "config.seed": 0}
+        return list(self._runs)
+
+    def run(self, path):
+        return next(r for r in self._runs if path == f"team/proj/{r.id}")
+
+
+def test_online_runs_find_their_baseline_in_the_wandb_project(tmp_path):
+    other = _ApiRun("x1", cfg_of("bf16", tmp_path, train__batch_size=16), {0: 1.0})
+    good = _ApiRun("b1", cfg_of("bf16", tmp_path), {0: 8.0, 3: 6.0})
+    api = _Api([other, good])
+    gaps = LiveGap(cfg_of("quartet2", tmp_path), tmp_path / "q", "team/proj", api_factory=lambda: api)
+    assert "W&B run team/proj/b1" in gaps.line
+    assert gaps.at_validation(3, 6.5)[0] == {"gap_step": 3, "val/loss_gap": 0.5, "val/loss_gap_rel": 0.5 / 6.0}
+    named = LiveGap({**cfg_of("quartet2", tmp_path), "baseline": "team/proj/b1"}, tmp_path / "q",
+                    api_factory=lambda: api)
+    assert named.baseline.where == "W&B run team/proj/b1"
+    with pytest.raises(BaselineError, match=r"team/proj/x1 is not comparable .*train\.batch_size: 8 here, 16 there"):
+        LiveGap({**cfg_of("quartet2", tmp_path), "baseline": "team/proj/x1"}, tmp_path / "q", api_factory=lambda: api)

@@ -1,7 +1,6 @@
 """Tests of the run analysis (analysis/) and its command line scripts/compare_runs.py on hand-made
-run folders: trainer-style run dirs (metrics.jsonl + summary.json + a config) and real offline W&B
-runs written by ``wandb.init``, read back through analysis.wandb_log's own ``.wandb`` parser. A few
-seconds, mostly W&B's start-up."""
+run folders: trainer-style run dirs (metrics.jsonl + summary.json + a config), with and without a
+W&B run folder inside, W&B folders on their own (reported, never decoded), and a fake W&B API."""
 
 from __future__ import annotations
 
@@ -50,23 +49,12 @@ def local_run(root: Path, name: str, *, model: str, scheme: str, seed: int, toke
     return d
 
 
-def offline_wandb_run(root: Path, *, name: str, config: dict, summary: dict, curve: dict[int, float],
-                      run_id: str | None = None, resume: bool = False) -> Path:
-    """A real offline W&B run (what the trainer's Tracker writes) under ``root/wandb/``."""
-    import wandb
-
-    root.mkdir(parents=True, exist_ok=True)
-    run = wandb.init(mode="offline", dir=str(root), project="compare-test", name=name, config=config,
-                     id=run_id, resume="allow" if resume else None)
-    for step in sorted(curve):
-        run.log({"train/loss": curve[step] + 0.1, "val/loss": curve[step]}, step=step)
-    for k, v in summary.items():
-        run.summary[k] = v
-    run.finish()
-    # finish() can return before W&B's service has flushed the .wandb file (a read right after
-    # it found no run record in 1 of 3 runs); stopping the service closes the file.
-    wandb.teardown()
-    return root
+def wandb_folder(run_dir: Path, run_id: str, stamp: str = "20261202_010101") -> Path:
+    """A W&B run folder as W&B names it (its contents are never read)."""
+    folder = run_dir / "wandb" / f"offline-run-{stamp}-{run_id}"
+    folder.mkdir(parents=True)
+    (folder / f"run-{run_id}.wandb").write_bytes(b":W&B private")
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +84,12 @@ def runs_root(tmp_path_factory) -> Path:
     # Unfinished: metrics but no summary.json.
     local_run(root, "30m-four_over_six-25tpp-s0", model="30m", scheme="four_over_six", seed=0, tokens=T25,
               params=P30, final=None, curve={100: 4.2})
-    # A real offline W&B run of quartet2 (seed 0), outside any trainer run dir.
-    offline_wandb_run(root / "wandb_only", name="30m-quartet2-25tpp-s0",
-                      config={"seed": 0, "model": {"name": "30m"}, "quant": {"name": "quartet2"},
-                              "train": {"tokens_per_param": 25}},
-                      summary={"final_val_loss": 3.545, "tokens": T25, "non_embedding_params": P30,
-                               "scheme": "quartet2", "model": "30m"},
-                      curve={100: 4.05, 200: 3.62, 300: 3.545})
+    # quartet2 (seed 0), a run dir with its W&B folder inside (the trainer's layout) ...
+    q2 = local_run(root, "30m-quartet2-25tpp-s0", model="30m", scheme="quartet2", seed=0, tokens=T25, params=P30,
+                   final=3.545, curve={100: 4.05, 200: 3.62, 300: 3.545}, config="json")
+    wandb_folder(q2, "q2run01")
+    # ... and a W&B folder without its run dir: reported, not read.
+    wandb_folder(root / "wandb_only", "orphan01")
     return root
 
 
@@ -118,28 +105,17 @@ def _row(rows, scheme, tokens=T25, model="30m"):
     return found[0]
 
 
-def test_offline_wandb_file_parses_config_summary_and_history(runs_root):
-    folders = analysis.wandb_run_folders(runs_root / "wandb_only")
-    assert len(folders) == 1 and folders[0].name.startswith("offline-run-")
-    (log,) = analysis.read_wandb_folders(folders)
-    assert log.name == "30m-quartet2-25tpp-s0" and log.project == "compare-test" and log.run_id
-    assert log.config["model"] == {"name": "30m"} and log.config["seed"] == 0
-    assert log.summary["final_val_loss"] == 3.545 and log.summary["tokens"] == T25
-    assert {int(r["_step"]): r["val/loss"] for r in log.history} == {100: 4.05, 200: 3.62, 300: 3.545}
-
-
-def test_truncated_wandb_file_keeps_the_records_before_the_cut(runs_root, tmp_path):
-    src = analysis.wandb_file(analysis.wandb_run_folders(runs_root / "wandb_only")[0])
-    data = src.read_bytes()
-    cut = tmp_path / "run-cut.wandb"
-    cut.write_bytes(data[: len(data) // 2])
-    log = analysis.parse_wandb_file(cut)
-    assert log.config["model"] == {"name": "30m"}  # the run record comes first
-    assert len(log.history) < 3
-    bad = tmp_path / "run-bad.wandb"
-    bad.write_bytes(b"not a wandb file")
-    with pytest.raises(analysis.CompareError, match="not a W&B transaction log"):
-        analysis.parse_wandb_file(bad)
+def test_run_dirs_are_read_with_and_without_wandb_folders(report, runs_root):
+    q2 = _row(report.rows, "quartet2")
+    assert [(r.source, r.run_id) for r in q2.runs] == [("local", "q2run01")]  # the id from the folder name
+    assert _row(report.rows, "bf16").runs[0].run_id is None  # no W&B folder: still read
+    orphan = runs_root / "wandb_only" / "wandb" / "offline-run-20261202_010101-orphan01"
+    assert any(str(orphan) in n and f"wandb sync {orphan}" in n and "--wandb ENTITY/PROJECT" in n
+               for n in report.notes), report.notes
+    with pytest.raises(analysis.CompareError, match="wandb sync"):
+        analysis.collect_paths([orphan / "run-orphan01.wandb"])
+    runs, notes = analysis.collect_paths([orphan])
+    assert runs == [] and "private format" in notes[0]
 
 
 def test_gaps_are_paired_by_seed_and_averaged(report):
@@ -149,9 +125,8 @@ def test_gaps_are_paired_by_seed_and_averaged(report):
     assert nv.gap_sd == pytest.approx(((0.06 - 0.055) ** 2 * 2) ** 0.5)
     assert nv.baseline_loss == pytest.approx(3.51) and nv.final_loss == pytest.approx(3.565)
     assert nv.tokens_per_param == pytest.approx(25.0) and nv.params == P30
-    q2 = _row(report.rows, "quartet2")  # from the offline W&B run
+    q2 = _row(report.rows, "quartet2")
     assert q2.n == 1 and q2.gap == pytest.approx(3.545 - 3.50)
-    assert [r.source for r in q2.runs] == ["wandb-offline"]
     ctrl = _row(report.rows, "nvidia[sr_four_over_six=True]")
     assert ctrl.gap == pytest.approx(0.10)
     base = _row(report.rows, "bf16")
@@ -244,20 +219,19 @@ def test_unpaired_seeds_fall_back_to_means(tmp_path):
     assert "(unpaired)" in analysis.markdown(report)
 
 
-def test_resumed_offline_run_folders_merge_and_duplicates_count_once(tmp_path, runs_root):
-    root = tmp_path / "resumed"
-    cfg = {"seed": 0, "model": {"name": "30m"}, "quant": {"name": "nvidia"}}
-    offline_wandb_run(root, name="30m-nvidia-25tpp-s0", config=cfg, summary={}, curve={100: 4.1}, run_id="resume01")
-    offline_wandb_run(root, name="30m-nvidia-25tpp-s0", config=cfg, run_id="resume01", resume=True,
-                      summary={"final_val_loss": 3.56, "tokens": T25, "non_embedding_params": P30},
-                      curve={200: 3.65, 300: 3.56})
-    assert len(analysis.wandb_run_folders(root)) == 2
-    runs, _ = analysis.collect_paths([root])
-    assert len(runs) == 1
+def test_a_resumed_run_dir_is_one_run_and_duplicates_count_once(tmp_path, runs_root):
+    """A resumed run has two W&B folders of one id and one metrics.jsonl: one run; the same run
+    found again (a copy) is counted once."""
+    d = local_run(tmp_path / "resumed", "30m-nvidia-25tpp-s0", model="30m", scheme="nvidia", seed=0, tokens=T25,
+                  params=P30, final=3.56, curve={100: 4.1, 200: 3.65, 300: 3.56}, config="json")
+    wandb_folder(d, "resume01", "20261202_010101")
+    wandb_folder(d, "resume01", "20261202_020202")
+    runs, notes = analysis.collect_paths([tmp_path / "resumed"])
+    assert len(runs) == 1 and runs[0].run_id == "resume01" and notes == []
     assert runs[0].val_curve == {100: 4.1, 200: 3.65, 300: 3.56} and runs[0].final_val_loss == 3.56
-    # The same run found again (here: the local copy of 30m-nvidia-25tpp-s0) is counted once.
     shutil.copytree(runs_root / "30m-bf16-25tpp-s0", tmp_path / "30m-bf16-25tpp-s0")
-    runs, notes = analysis.collect_paths([root, runs_root / "30m-nvidia-25tpp-s0", tmp_path / "30m-bf16-25tpp-s0"])
+    runs, notes = analysis.collect_paths([tmp_path / "resumed", runs_root / "30m-nvidia-25tpp-s0",
+                                          tmp_path / "30m-bf16-25tpp-s0"])
     report = analysis.compare(runs, notes=notes)
     assert _row(report.rows, "nvidia").n == 1
     assert any("duplicate" in n for n in report.notes)
@@ -296,15 +270,42 @@ class _FakeApi:
         return self._runs
 
 
+class _FakeWriter:
+    """What ``wandb.init(id=..., resume="must")`` returns, recording what is written."""
+
+    def __init__(self):
+        self.metrics, self.rows, self.summary, self.finished = {}, [], {}, False
+
+    def define_metric(self, name, step_metric=None):
+        self.metrics[name] = step_metric
+
+    def log(self, row):
+        self.rows.append(row)
+
+    def finish(self):
+        self.finished = True
+
+
 def test_wandb_api_source_and_writeback():
-    base = _FakeRun("r1", "30m-bf16-25tpp-s0", "bf16", 3.5, {100: 4.0, 300: 3.5})
-    q2 = _FakeRun("r2", "30m-quartet2-25tpp-s0", "quartet2", 3.55, {100: 4.1, 300: 3.55})
+    base = _FakeRun("r1", "30m-bf16-25tpp-s0", "bf16", 3.5, {100: 4.0, 200: 3.7, 300: 3.5})
+    q2 = _FakeRun("r2", "30m-quartet2-25tpp-s0", "quartet2", 3.55, {100: 4.1, 200: 3.8, 250: 3.6, 300: 3.55})
     runs = analysis.collect_wandb_project("team/proj", api=_FakeApi([base, q2]))
     report = analysis.compare(runs)
     row = _row(report.rows, "quartet2")
-    assert row.gap == pytest.approx(0.05) and row.curve == pytest.approx({100: 0.1, 300: 0.05})
-    messages = []
-    assert analysis.writeback([r for r in report.rows if r.gap is not None], log=messages.append) == 1
-    assert q2.summary["loss_gap"] == pytest.approx(0.05) and q2.summary.updates == 1
-    assert q2.summary["loss_gap_baseline"] == pytest.approx(3.5)
-    assert "loss_gap" not in base.summary
+    assert row.gap == pytest.approx(0.05) and row.curve == pytest.approx({100: 0.1, 200: 0.1, 300: 0.05})
+    messages, writers = [], {}
+
+    def resume(run):
+        assert run.path == f"team/proj/{run.run_id}"
+        return writers.setdefault(run.run_id, _FakeWriter())
+
+    assert analysis.writeback([r for r in report.rows if r.gap is not None], log=messages.append,
+                              resume=resume) == 1
+    w = writers["r2"]
+    assert set(writers) == {"r2"} and w.finished
+    assert w.metrics == {"gap_step": None, "val/loss_gap*": "gap_step"}  # the curve's own axis
+    assert [r["gap_step"] for r in w.rows] == [100, 200, 300]  # 250: the baseline has no value there
+    assert [r["val/loss_gap"] for r in w.rows] == pytest.approx([0.1, 0.1, 0.05])
+    assert [r["val/loss_gap_rel"] for r in w.rows] == pytest.approx([0.1 / 4.0, 0.1 / 3.7, 0.05 / 3.5])
+    assert w.summary == pytest.approx({"loss_gap": 0.05, "loss_gap_baseline": 3.5})
+    assert "gap curve and loss_gap written to 1" in messages[-1]

@@ -119,6 +119,24 @@ def test_smoke_sweep_runs_through_the_local_launcher(smoke_sweep):
         assert summary["model"] == "tiny" and summary["steps"] == int(name.split("-")[2][:-5])
         assert summary["final_val_loss"] > 0
         assert list((d / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert "loss gap" in (d / "train.log").read_text()
+
+
+@pytest.mark.parametrize("steps", [4, 8])
+def test_smoke_sweep_quantized_runs_log_their_gap_to_the_sweeps_bf16_run(smoke_sweep, steps):
+    """quartet2's jobs start after the bf16 jobs of the same budget (the sweep's second batch of
+    three): every validation of theirs has its gap, logged with it, against bf16's loss there."""
+    base_dir, q2_dir = (smoke_sweep / f"tiny-{q}-{steps}steps-s0" for q in ("bf16", "quartet2"))
+    base = {r["step"]: r["val/loss"] for r in map(json.loads, (base_dir / "metrics.jsonl").read_text().splitlines())
+            if "val/loss" in r}
+    rows = [json.loads(line) for line in (q2_dir / "metrics.jsonl").read_text().splitlines()]
+    gaps = {r["gap_step"]: r for r in rows if "val/loss_gap" in r}
+    assert sorted(gaps) == sorted(base) == list(range(0, steps + 1, 2))
+    for s, r in gaps.items():
+        assert r["step"] == s and r["val/loss_gap"] == r["val/loss"] - base[s]
+    summary = json.loads((q2_dir / "summary.json").read_text())
+    assert summary["loss_gap"] == gaps[steps]["val/loss_gap"] and summary["loss_gap_baseline"] == str(base_dir)
+    assert f"loss gap against the bf16 run {base_dir}" in (q2_dir / "train.log").read_text()
 
 
 def test_compare_runs_reports_the_smoke_sweep(smoke_sweep, tmp_path, capsys):
