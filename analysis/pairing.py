@@ -65,7 +65,7 @@ def _sd(xs: list[float]) -> float | None:
 def dedup(runs: list[Run], notes: list[str]) -> list[Run]:
     """One run per (model, scheme, budget, seed) when the seed is known, and per W&B id.
 
-    Finished runs win over unfinished ones, then local files over offline W&B over the API;
+    Finished runs win over unfinished ones, then local files over the API;
     each duplicate left out gets a note.
     """
     order = {"local": 0, "wandb-offline": 1, "wandb": 2}
