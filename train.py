@@ -169,8 +169,11 @@ def _train(cfg: DictConfig, di: DistInfo, handle_ctrl_c: bool = False) -> dict[s
                "no checkpoint of it verifies" if skipped else "it has no checkpoint")
         notes.append(f"starting from step 0 ({why}): the earlier run in {run_dir} was moved to {aside}")
     if di.is_main:  # what a quantized run looks for in its bf16 baseline (training/baseline.py)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CONFIG_FILE).write_text(json.dumps(OmegaConf.to_container(cfg, resolve=True), default=str))
+        text = json.dumps(OmegaConf.to_container(cfg, resolve=True), default=str)
+        path = run_dir / CONFIG_FILE
+        if not path.is_file() or path.read_text() != text:  # a finished run started again writes nothing
+            run_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
     barrier()
     preemption = PreemptionWatcher(run_dir, interrupt_signal=handle_ctrl_c)
     if di.is_main:
@@ -426,12 +429,12 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
                    "model": cfg.model.name, "world_size": di.world_size}
         if gaps is not None and gaps.active:
             tracker.log_after(steps, gaps.remaining())
-            summary |= {"loss_gap": gaps.final(steps),
-                        "loss_gap_baseline": gaps.baseline.where if gaps.baseline else None}
+            if (final_gap := gaps.final(steps)) is not None:
+                summary |= {"loss_gap": final_gap, "loss_gap_baseline": gaps.baseline.where}
             if missing := gaps.missing():
                 tracker.info(f"loss gap: the baseline has no validation loss yet at step(s) {missing}; "
                              f"`python scripts/compare_runs.py {run_dir.parent}` reports them once it has")
-            elif summary["loss_gap"] is not None:
+            elif final_gap is not None:
                 tracker.info(f"loss gap at step {steps}: {summary['loss_gap']:+.4f} against "
                              f"{gaps.baseline.where}")
         tracker.summary(summary)

@@ -12,6 +12,7 @@ import train
 from training.baseline import CONFIG_FILE, BaselineError, LiveGap
 
 BASE_CFG = {"model": {"name": "tiny", "n_layer": 2, "d_model": 64}, "quant": {"name": "bf16"}, "seed": 0,
+            "data": {"name": "sample"},
             "train": {"steps": 6, "tokens_per_param": None, "batch_size": 8, "seq_len": 128}}
 
 
@@ -46,7 +47,7 @@ def test_auto_finds_the_matching_bf16_run_and_logs_each_gap(tmp_path):
     base = fake_run(tmp_path, "tiny-bf16", cfg_of("bf16", tmp_path), {0: 8.0, 3: 6.0, 6: 5.0})
     fake_run(tmp_path / "other", "tiny-bf16-s1", cfg_of("bf16", tmp_path, seed=1), {0: 1.0, 3: 1.0})
     gaps = LiveGap(cfg_of("quartet2", tmp_path), tmp_path / "q")
-    assert str(base) in gaps.line and "same model, budget, batch, seed" in gaps.line
+    assert str(base) in gaps.line and "same model, data, budget, batch, seed" in gaps.line
     rows = [gaps.at_validation(s, v)[0] for s, v in ((0, 8.0), (3, 6.25), (6, 5.5))]
     assert rows == [{"gap_step": 0, "val/loss_gap": 0.0, "val/loss_gap_rel": 0.0},
                     {"gap_step": 3, "val/loss_gap": 0.25, "val/loss_gap_rel": 0.25 / 6.0},
@@ -55,12 +56,14 @@ def test_auto_finds_the_matching_bf16_run_and_logs_each_gap(tmp_path):
 
 
 @pytest.mark.parametrize("change", [
-    {"model__n_layer": 3}, {"train__steps": 8}, {"train__batch_size": 16}, {"train__seq_len": 64}, {"seed": 1},
-], ids=["model", "budget", "batch", "seq_len", "seed"])
+    {"model__n_layer": 3}, {"data__name": "c4"}, {"train__steps": 8}, {"train__batch_size": 16},
+    {"train__seq_len": 64}, {"seed": 1},
+], ids=["model", "data", "budget", "batch", "seq_len", "seed"])
 def test_a_bf16_run_that_differs_is_not_a_baseline(tmp_path, change):
     other = fake_run(tmp_path, "bf16-other", cfg_of("bf16", tmp_path, **change), {0: 8.0})
     gaps = LiveGap(cfg_of("quartet2", tmp_path), tmp_path / "q")
-    assert gaps.baseline is None and "no bf16 run with the same model, budget, batch and seed" in gaps.line
+    assert gaps.baseline is None
+    assert "none yet, no bf16 run with the same model, data, budget, batch and seed" in gaps.line
     assert gaps.at_validation(0, 8.0) == ({}, None)
     key = next(iter(change)).replace("__", ".")
     with pytest.raises(BaselineError, match=rf"not comparable .*{key}: .* here, .* there.*Fix"):
@@ -81,7 +84,7 @@ def test_late_baseline_gaps_come_later_in_order_and_are_never_interpolated(tmp_p
     """The baseline runs beside this run: a step it has not reached gets its gap at a later
     validation (the oldest first, one per row) or at the end; a step it never validated has none."""
     gaps = LiveGap(cfg_of("quartet2", tmp_path), tmp_path / "q")
-    assert gaps.baseline is None and "looking again at each validation" in gaps.line
+    assert gaps.baseline is None and "looked for again at each validation" in gaps.line
     assert gaps.at_validation(0, 8.0) == ({}, None)  # no baseline yet
     base = fake_run(tmp_path, "bf16", cfg_of("bf16", tmp_path), {0: 8.0})
     row, found = gaps.at_validation(2, 7.0)

@@ -1,6 +1,6 @@
 """The live loss gap: a quantized run's validation loss minus its bf16 baseline's at the same step.
 
-The baseline is the bf16 run with the same model, token budget, batch and seed
+The baseline is the bf16 run with the same model, data, token budget, batch and seed
 (:data:`MATCH_KEYS`), chosen by the trainer's ``baseline`` setting:
 
 * ``auto`` (default): the newest such run under ``run_root`` (each run writes its resolved config
@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 BASELINE_SCHEME = "bf16"
-MATCH_KEYS = ("model", "train.tokens_per_param", "train.steps", "train.batch_size", "train.seq_len", "seed")
+MATCH_KEYS = ("model", "data.name", "train.tokens_per_param", "train.steps", "train.batch_size", "train.seq_len",
+              "seed")
 """What a baseline shares with the run (``train.steps`` only when the budget is in steps)."""
 CONFIG_FILE = "config.json"
 """The resolved config a run writes into its directory when it starts."""
@@ -217,12 +218,12 @@ class LiveGap:
             self.baseline = _named(str(self.setting), self.cfg, self.api_factory)
             return f"loss gap against the bf16 run {self.baseline.where} (baseline={self.setting})"
         if self._look():
-            return (f"loss gap against the bf16 run {self.baseline.where} (baseline=auto: same model, budget, "
+            return (f"loss gap against the bf16 run {self.baseline.where} (baseline=auto: same model, data, budget, "
                     f"batch, seed)")
         where = f"under {self.cfg.get('run_root')}" + (f" or in W&B project {self.project}" if self.project else "")
-        return (f"loss gap: no bf16 run with the same model, budget, batch and seed {where} yet; looking again at "
-                f"each validation. Fix: run quant=bf16 with the same settings, or name one with baseline=<run "
-                f"dir or ENTITY/PROJECT/RUN_ID>; baseline=null turns this off")
+        return (f"loss gap: none yet, no bf16 run with the same model, data, budget, batch and seed {where} "
+                f"(looked for again at each validation). For one, run quant=bf16 with the same settings, or name "
+                f"it with baseline=<run dir or ENTITY/PROJECT/RUN_ID>; baseline=null turns this off")
 
     def _look(self) -> bool:
         found = find_local(self.cfg, Path(str(self.cfg.get("run_root", "runs"))), self.run_dir)
