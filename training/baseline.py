@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import flatten, select
+
 BASELINE_SCHEME = "bf16"
 MATCH_KEYS = ("model", "data.name", "train.tokens_per_param", "train.steps", "train.batch_size", "train.seq_len",
               "seed")
@@ -39,29 +41,13 @@ class BaselineError(ValueError):
     """A named baseline that cannot serve; the message says why and what to do."""
 
 
-def _select(cfg: dict, dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def _flat(value: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k in sorted(value):
-            out |= _flat(value[k], f"{prefix}.{k}")
-        return out
-    return {prefix: value}
-
-
 def match_settings(cfg: dict) -> dict[str, Any]:
     """The settings of a resolved config that a baseline must share, as dotted leaf keys."""
     out: dict[str, Any] = {}
     for key in MATCH_KEYS:
-        if key == "train.steps" and _select(cfg, "train.tokens_per_param") is not None:
+        if key == "train.steps" and select(cfg, "train.tokens_per_param") is not None:
             continue  # the budget is tokens per parameter; steps follow from it
-        out |= _flat(_select(cfg, key), key)
+        out |= flatten(select(cfg, key), key)
     return out
 
 
@@ -144,7 +130,7 @@ def find_local(cfg: dict, root: Path, this_run: Path) -> Path | None:
     for d in run_dirs_under(root):
         theirs = _read_config(d)
         if (d.resolve() != this_run.resolve() and theirs is not None
-                and _select(theirs, "quant.name") == BASELINE_SCHEME and not differences(cfg, theirs)):
+                and select(theirs, "quant.name") == BASELINE_SCHEME and not differences(cfg, theirs)):
             found.append(((d / CONFIG_FILE).stat().st_mtime, d))
     return max(found)[1] if found else None
 
@@ -177,8 +163,8 @@ def _named(setting: str, cfg: dict, api_factory: Callable[[], Any]) -> Baseline:
     else:
         raise BaselineError(f"baseline={setting} is neither a run directory nor a W&B run ENTITY/PROJECT/RUN_ID. "
                             f"Fix: baseline=auto (a matching bf16 run under run_root), a path, or null.")
-    if _select(theirs, "quant.name") != BASELINE_SCHEME:
-        raise BaselineError(f"baseline={setting} is a {_select(theirs, 'quant.name')} run, not bf16. Fix: name "
+    if select(theirs, "quant.name") != BASELINE_SCHEME:
+        raise BaselineError(f"baseline={setting} is a {select(theirs, 'quant.name')} run, not bf16. Fix: name "
                             f"a bf16 run, or baseline=auto.")
     diff = differences(cfg, theirs)
     if diff:
@@ -205,12 +191,12 @@ class LiveGap:
         self.baseline: Baseline | None = None
         self.own: dict[int, float] = {}
         self.logged: set[int] = set()
-        self.active = _select(cfg, "quant.name") != BASELINE_SCHEME and self.setting is not None
+        self.active = select(cfg, "quant.name") != BASELINE_SCHEME and self.setting is not None
         self.line = self._choose()
 
     def _choose(self) -> str:
         """Find the baseline; the line that says which, or why there is none."""
-        if _select(self.cfg, "quant.name") == BASELINE_SCHEME:
+        if select(self.cfg, "quant.name") == BASELINE_SCHEME:
             return "loss gap: none (this run is the bf16 baseline)"
         if self.setting is None:
             return "loss gap: off (baseline=null)"

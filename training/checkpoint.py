@@ -60,16 +60,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or trusted; the message says why and what to do."""
 
 
-def _flatten(node: Any, prefix: str) -> dict[str, Any]:
+def flatten(node: Any, prefix: str) -> dict[str, Any]:
+    """A nested config ``node`` as ``{dotted leaf key: value}`` under ``prefix``."""
     if isinstance(node, dict):
         out: dict[str, Any] = {}
         for k in sorted(node):
-            out |= _flatten(node[k], f"{prefix}.{k}")
+            out |= flatten(node[k], f"{prefix}.{k}")
         return out
     return {prefix: node}
 
 
-def _select(cfg: dict, dotted: str) -> Any:
+def select(cfg: dict, dotted: str) -> Any:
+    """The value at a dotted key of a nested config (None when absent)."""
     node: Any = cfg
     for part in dotted.split("."):
         node = node.get(part) if isinstance(node, dict) else None
@@ -81,7 +83,7 @@ def config_fingerprint(cfg: dict) -> dict[str, Any]:
     dotted leaf keys (``optim.lr``), JSON-compatible."""
     out: dict[str, Any] = {}
     for key in FINGERPRINT_KEYS:
-        out |= _flatten(json.loads(json.dumps(_select(cfg, key), default=str)), key)
+        out |= flatten(json.loads(json.dumps(select(cfg, key), default=str)), key)
     return out
 
 
