@@ -11,7 +11,8 @@ checkpoint and exit), set the learning rate, run the micro-batches (forward unde
 backward), clip, step, stop on a non-finite loss, gradient norm or parameter, log, validate and
 checkpoint. The loop never waits for the GPU between those: each step's loss, gradient norm and
 max |p| stay on the device until a log, validation or checkpoint step reads them all at once
-(training/step.py runs the step, on one GPU as one replayed CUDA graph). Configs live in configs/
+(training/step.py runs the step, on one GPU as one replayed CUDA graph). A quantized run logs its
+validation loss gap to its bf16 baseline (training/baseline.py). Configs live in configs/
 (Hydra); see README.md, docs/reliability.md and docs/performance.md.
 """
 
@@ -455,8 +456,6 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
 
 def _already_finished(run_dir: Path, steps: int, main_rank: bool) -> dict[str, Any]:
     """A finished run started again: say so, write nothing, return its summary."""
-    import json
-
     summary = json.loads((run_dir / "summary.json").read_text())
     if main_rank:
         print(f"run {run_dir} is already finished ({steps} of {steps} steps, final validation loss "
