@@ -258,6 +258,9 @@ def test_resume_false_never_mixes_two_runs(tiny, monkeypatch):
 def test_finished_run_started_again_writes_nothing(tiny, capsys):
     cfg = tiny("wandb.enabled=true", "wandb.mode=offline", "train.steps=2", "train.eval_every=1000")
     summary = train.run(cfg)
+    import wandb
+
+    wandb.teardown()  # W&B's service finishes its own debug log after the run ends; stop it first
     run_dir = Path(cfg.run_dir)
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.rglob("*") if p.is_file()}
     capsys.readouterr()
