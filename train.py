@@ -53,7 +53,7 @@ from training.health import first_nonfinite
 from training.metrics import bf16_peak_flops, mfu, peak_memory_gib
 from training.optim import build_adamw
 from training.preemption import STOP_FILE, PreemptionWatcher
-from training.run_dir import holds_a_run, move_aside, rewind_metrics
+from training.run_dir import holds_a_run, move_aside, read_metrics, rewind_metrics
 from training.schedule import lr_at
 from training.step import TrainStep, graph_blocker
 from training.tracking import NullTracker, Tracker
@@ -270,8 +270,7 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
             tracker.finish(1)
             raise TrainingError(str(err)) from err
         if start:
-            gaps.resume([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                         if line.strip()])
+            gaps.resume(read_metrics(run_dir))
     for note in ([gaps.line] if gaps else []) + (
             [tracker.wandb_note] if getattr(tracker, "wandb_note", None) else []) + notes:
         tracker.info(note)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.run_dir import read_metrics, val_losses
+
 from .errors import CompareError
 from .labels import scheme_label
 from .wandb_folders import is_wandb_run_folder, orphan_note, wandb_run_folders, wandb_run_id
@@ -168,16 +170,6 @@ def apply_name(run: Run, name: str) -> None:
             run.steps = int(budget[:-5])
 
 
-def val_curve(rows: Iterable[dict], step_key: str) -> dict[int, float]:
-    """``val/loss`` by step from metric rows; a step logged again (a resumed run) keeps its last value."""
-    curve = {}
-    for row in rows:
-        v, step = number(row.get("val/loss")), row.get(step_key)
-        if v is not None and step is not None:
-            curve[int(step)] = v
-    return curve
-
-
 # ----------------------------------------------------------------------------- readers
 
 
@@ -208,14 +200,8 @@ def read_run_dir(run_dir: Path) -> Run:
     run = Run(name=run_dir.name, source="local", path=str(run_dir))
     if (run_dir / "summary.json").is_file():
         apply_summary(run, json.loads((run_dir / "summary.json").read_text()))
-    rows = []
-    if (run_dir / "metrics.jsonl").is_file():
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a kill
-    run.val_curve = val_curve(rows, "step")
+    rows = read_metrics(run_dir)
+    run.val_curve = val_losses(rows)
     steps = [int(r["step"]) for r in rows if r.get("step") is not None]
     run.last_step = max(steps) if steps else None
     cfg = _read_local_config(run_dir)

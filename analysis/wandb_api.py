@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from training.run_dir import val_losses
+
 from .errors import CompareError
 from .pairing import GapRow, run_gap_curve
-from .runs import Run, apply_config, apply_name, apply_summary, number, val_curve
+from .runs import Run, apply_config, apply_name, apply_summary, number
 
 
 def collect_wandb_project(project: str, api: Any = None) -> list[Run]:
@@ -43,7 +45,7 @@ def _api_run(r: Any, project: str) -> Run:
     apply_name(run, run.name)
     try:
         rows = r.scan_history(keys=["_step", "val/loss"])
-        run.val_curve = val_curve(rows, "_step")
+        run.val_curve = val_losses(rows, "_step")
     except Exception:
         run.val_curve = {}
     run.last_step = number(summary.get("_step"))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import flatten, select
+from .run_dir import read_metrics, val_losses
 
 BASELINE_SCHEME = "bf16"
 MATCH_KEYS = ("model", "data.name", "train.tokens_per_param", "train.steps", "train.batch_size", "train.seq_len",
@@ -70,30 +71,8 @@ class Baseline:
             return {}
 
 
-def val_losses(rows: Any, step_key: str) -> dict[int, float]:
-    """``val/loss`` by step from metric rows (the last value of a step wins)."""
-    out = {}
-    for row in rows:
-        step, value = row.get(step_key), row.get("val/loss")
-        if step is not None and isinstance(value, (int, float)):
-            out[int(step)] = float(value)
-    return out
-
-
 def local_baseline(run_dir: Path) -> Baseline:
-    def read() -> dict[int, float]:
-        path = run_dir / "metrics.jsonl"
-        if not path.is_file():
-            return {}
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # the line being written
-        return val_losses(rows, "step")
-
-    return Baseline(str(run_dir), read)
+    return Baseline(str(run_dir), lambda: val_losses(read_metrics(run_dir)))
 
 
 def wandb_baseline(run: Any, path: str) -> Baseline:
@@ -189,8 +168,8 @@ class LiveGap:
         self.cfg, self.run_dir, self.project, self.api_factory = cfg, run_dir, wandb_project, api_factory
         self.setting = cfg.get("baseline", "auto")
         self.baseline: Baseline | None = None
-        self.own: dict[int, float] = {}
-        self.logged: set[int] = set()
+        self.own: dict[int, float] = {}  # this run's validation losses by step
+        self.gaps: dict[int, float] = {}  # the gaps logged so far, by step
         self.active = select(cfg, "quant.name") != BASELINE_SCHEME and self.setting is not None
         self.line = self._choose()
 
@@ -228,8 +207,8 @@ class LiveGap:
 
     def resume(self, rows: list[dict]) -> None:
         """Take up the validations and gaps already in ``metrics.jsonl`` (a resumed run)."""
-        self.own.update(val_losses(rows, "step"))
-        self.logged.update(int(r["gap_step"]) for r in rows if r.get("gap_step") is not None)
+        self.own.update(val_losses(rows))
+        self.gaps.update({int(r["gap_step"]): r["val/loss_gap"] for r in rows if r.get("gap_step") is not None})
 
     def at_validation(self, step: int, val_loss: float) -> tuple[dict[str, float], str | None]:
         """The gap row to log with this validation (empty when none is ready), and a line to
@@ -252,21 +231,18 @@ class LiveGap:
         return self._ready(self.baseline.losses(), every=True)
 
     def _ready(self, base: dict[int, float], every: bool = False) -> list[dict[str, float]]:
-        steps = [s for s in sorted(self.own) if s not in self.logged and s in base]
+        steps = [s for s in sorted(self.own) if s not in self.gaps and s in base]
         rows = []
         for s in steps if every else steps[:1]:
-            gap = self.own[s] - base[s]
+            gap = self.gaps[s] = self.own[s] - base[s]
             rows.append({"gap_step": s, "val/loss_gap": gap, "val/loss_gap_rel": gap / base[s]})
-            self.logged.add(s)
         return rows
 
     def missing(self) -> list[int]:
         """This run's validation steps without a gap (the baseline has no value there yet)."""
-        return [s for s in sorted(self.own) if s not in self.logged] if self.active else []
+        return [s for s in sorted(self.own) if s not in self.gaps] if self.active else []
 
     def final(self, step: int) -> float | None:
-        """The gap at the final validation ``step``, when the baseline has it."""
-        if not self.active or self.baseline is None:
-            return None
-        base = self.baseline.losses()
-        return self.own[step] - base[step] if step in self.own and step in base else None
+        """The gap logged for the final validation ``step`` (None when the baseline had no value
+        there; call after :meth:`remaining`)."""
+        return self.gaps.get(step)

@@ -118,18 +118,9 @@ def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when ``flag`` is true on any rank (a step boundary all ranks agree on)."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 class AnyRankLagged:
-    """:func:`any_rank` of a flag polled once per step, agreed one poll late so that no step
-    waits for the GPU: each poll starts the all-reduce of this step's flag (non-blocking) and
+    """Whether a flag polled once per step is true on any rank, agreed one poll late so that no
+    step waits for the GPU: each poll starts the all-reduce of this step's flag (non-blocking) and
     returns the result of the previous poll's, whose copy to the host was queued behind the
     steps before. Every rank gets the same answer at the same poll. In one process the flag
     itself, at once."""

@@ -4,8 +4,10 @@ it, and a resumed run's metrics file is rewound to the checkpoint it resumes fro
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "train.log", "wandb")
@@ -36,6 +38,37 @@ def move_aside(run_dir: Path, keep: tuple[str, ...] = (HYDRA_DIR,)) -> Path:
         if (aside / name).exists():
             os.replace(aside / name, run_dir / name)
     return aside
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` (none when it has none); a line cut by a kill, or
+    being written, is left out."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def val_losses(rows: Iterable[dict], step_key: str = "step") -> dict[int, float]:
+    """``val/loss`` by step from metric rows (``step_key``: ``step``, or W&B's ``_step``); a step
+    logged again (a resumed run) keeps its last value; a value that is not a finite number is
+    left out."""
+    out = {}
+    for row in rows:
+        step = row.get(step_key)
+        try:
+            value = float(row.get("val/loss"))
+        except (TypeError, ValueError):
+            continue
+        if step is not None and math.isfinite(value):
+            out[int(step)] = value
+    return out
 
 
 def rewind_metrics(run_dir: Path, step: int) -> int:

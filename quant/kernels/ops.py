@@ -570,21 +570,13 @@ def quantize_operand(
     ``max |A|`` when the caller has it (then no amax pass runs; under ``torch.compile`` inductor
     computes it, fused with the kernel that produced ``x``). Returns
     ``(values, codes, scales, tensor_scale, amax)`` (see the module docstring)."""
-    return quantize(QuantizeCall(**_call_fields(locals())))
+    return quantize(QuantizeCall(**locals()))  # the op's parameters are QuantizeCall's fields
 
 
 @_fake(quantize_operand)
 def _(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, stream, mode,
       four_over_six, values, pack, posthoc=False, amax=None):
-    return quantize_fake(QuantizeCall(**_call_fields(locals())))
-
-
-def _call_fields(args: dict) -> dict:
-    """The :class:`QuantizeCall` fields among a function's ``locals()``."""
-    return {k: v for k, v in args.items() if k in _CALL_FIELDS}
-
-
-_CALL_FIELDS = frozenset(QuantizeCall.__dataclass_fields__)
+    return quantize_fake(QuantizeCall(**locals()))
 
 
 # --------------------------------------------------------------------------- named quantizers
