@@ -593,6 +593,23 @@ def _mandatory_tokenizer_path(cfg: Mapping[str, Any]) -> str | None:
         ) from None
 
 
+def _mandatory_inputs(cfg: Mapping[str, Any]) -> list[Any]:
+    """``cfg["inputs"]`` (empty when absent); ValueError naming the fix when it is OmegaConf's
+    unset mandatory value ``???``, as in configs/data/files.yaml."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        return list(cfg["inputs"] or [])
+    except KeyError:
+        return []
+    except MissingMandatoryValue:
+        raise ValueError(
+            f"data.inputs is not set: the {cfg.get('name')} dataset reads your own files. Fix: add "
+            "data.inputs=[/path/to/corpus.jsonl] (files or directories of .txt/.jsonl/.parquet) to "
+            "the command."
+        ) from None
+
+
 def prepare_from_config(cfg: Mapping[str, Any]) -> Path:
     """Prepare the dataset described by the ``data`` config group; return its directory.
 
@@ -611,7 +628,7 @@ def prepare_from_config(cfg: Mapping[str, Any]) -> Path:
     """
     tokenizer_path = _mandatory_tokenizer_path(cfg)
     hf_dataset = dict(cfg["hf_dataset"]) if cfg.get("hf_dataset") else None
-    files = expand_inputs(_repo_path(p) for p in (cfg.get("inputs") or []))
+    files = expand_inputs(_repo_path(p) for p in _mandatory_inputs(cfg))
     text_field = cfg.get("text_field") or "text"
     vocab_size = int(cfg["vocab_size"])
     val_fraction = float(cfg["val_fraction"])

@@ -17,7 +17,7 @@
 #   BUDGETS   any of 25tpp (the paper's cell) and epoch (one epoch of the train split) ["25tpp epoch"]
 #   TOKENIZER a SentencePiece model; empty trains a 32,000-piece BPE on the corpus [empty]
 #   WORK      checkpoints, data cache and logs [/tmp/paper_30m]
-#   STUDY     1: after the runs, compare_runs and the unbiasedness study on bf16 seed 0 [1]
+#   STUDY     1: the unbiasedness study on the first bf16 model trained, and compare_runs at the end [1]
 #   Further arguments after RESULTS are passed to every train.py (e.g. wandb.enabled=false).
 set -euo pipefail
 CORPUS=${1:?corpus path, installed or c4}
@@ -49,8 +49,10 @@ esac
 
 # The dataset (and a trained tokenizer) once, before any run; its manifest gives the epoch budget.
 python3 -m scripts.prepare_data experiment=paper_30m "${data[@]}" "$@" >"$RESULTS/dataset.json"
-train_tokens=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['train']['tokens'])" "$RESULTS/dataset.json")
-cp "$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['tokenizer'])" "$RESULTS/dataset.json")" "$RESULTS/tokenizer.model"
+field() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))$1)" "$RESULTS/dataset.json"; }
+train_tokens=$(field "['train']['tokens']")
+dataset_dir=$(field "['dir']")
+cp "$(field "['tokenizer']")" "$RESULTS/tokenizer.model"
 epoch_steps=$((train_tokens / 262144))
 echo "train split: $train_tokens tokens; one epoch: $epoch_steps steps of 262,144 tokens" | tee -a "$RESULTS/train_log.txt"
 
@@ -72,17 +74,18 @@ for budget in $BUDGETS; do
         name=$(python3 train.py "${args[@]}" --cfg job --resolve | sed -n 's/^run_name: //p')
         mkdir -p "$RESULTS/runs/$name"
         cp "$WORK/runs/$name"/{metrics.jsonl,summary.json,config.json} "$RESULTS/runs/$name/"
+        # The unbiasedness study on the first trained bf16 model's first block: checkpoints may not
+        # outlive the machine, so it runs as soon as one exists.
+        if [ "$STUDY" = 1 ] && [ "$scheme" = bf16 ] && [ ! -f "$RESULTS/unbiasedness/unbiasedness.json" ]; then
+            python3 -m scripts.export_checkpoint "$WORK/runs/$name" "$WORK/$name.pt"
+            python3 -m scripts.unbiasedness --model "$WORK/$name.pt" --device cuda --max-b 256 \
+                --data "$dataset_dir" --batch 2 --seq-len 512 --out-dir "$RESULTS/unbiasedness" | tail -25
+            echo "$name" >"$RESULTS/unbiasedness/model.txt"
+        fi
     done
 done
 
 if [ "$STUDY" = 1 ]; then
     python3 -m scripts.compare_runs "$RESULTS/runs" --out "$RESULTS/report.md" --plot "$RESULTS/loss_gap.png" \
         --curves "$RESULTS/loss_gap_curves.png" --json "$RESULTS/report.json" | tail -30
-    bf16=$(ls -d "$WORK"/runs/30m-bf16-*25tpp*-s0 2>/dev/null | head -1)
-    if [ -n "$bf16" ]; then
-        python3 -m scripts.export_checkpoint "$bf16" "$WORK/bf16_s0.pt"
-        python3 -m scripts.unbiasedness --model "$WORK/bf16_s0.pt" --device cuda --max-b 256 \
-            --data "$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['dir'])" "$RESULTS/dataset.json")" \
-            --batch 2 --seq-len 512 --out-dir "$RESULTS/unbiasedness" | tail -25
-    fi
 fi

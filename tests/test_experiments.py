@@ -190,3 +190,17 @@ def test_documented_report_is_what_compare_runs_prints(smoke_sweep, tmp_path, mo
     assert cr.main([str(smoke_sweep)]) == 0
     assert capsys.readouterr().out == documented + "\n"
     assert (tmp_path / "loss_gap.png").is_file()
+
+
+def test_paper_30m_is_the_spec_recipe_at_25_tokens_per_param():
+    """configs/experiment/paper_30m.yaml: SPEC §4's 30m cell, 2,908 steps of 262,144 tokens, a
+    validation set of at least 1M tokens; `data=c4` on the command line replaces its data group."""
+    cfg = compose_with_hydra(["experiment=paper_30m", "data.inputs=[/corpus.jsonl]", "quant=nvidia"])
+    assert cfg.model.name == "30m" and cfg.model.vocab_size == cfg.data.vocab_size == 32000
+    assert cfg.train.seq_len == 512 and cfg.train.batch_size == 512
+    assert cfg.optim.lr == PEAK_LR["30m"] and cfg.compile is True
+    assert cfg.train.eval_batches * cfg.train.eval_batch_size * cfg.train.seq_len >= 1_000_000
+    steps = train.total_steps(cfg, 30_482_560)  # SPEC §4's non-embedding parameters of 30m
+    assert steps == 2908 and cfg.run_name == "30m-nvidia-25tpp-s0"
+    c4 = compose_with_hydra(["experiment=paper_30m", "data=c4", "data.tokenizer_path=/tok.model"])
+    assert c4.data.name == "c4" and c4.train.tokens_per_param == 25
