@@ -45,6 +45,7 @@ from data.tokenizer import check_vocab
 from model import build_model
 from model.parallel import materialize, parallelize, replays_cuda_graphs
 from quant import randomness
+from training import downstream
 from training.baseline import CONFIG_FILE, BaselineError, LiveGap
 from training.checkpoint import Checkpointer, CheckpointError, check_fingerprint, config_fingerprint, read_extra
 from training.config_checks import check_train_config
@@ -206,6 +207,12 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
     except ValueError as err:
         raise TrainingError(f"train.eval_batches={cfg.train.eval_batches} × train.eval_batch_size="
                             f"{cfg.train.eval_batch_size}: {err}") from err
+    downstream_every = cfg.train.downstream_eval_every
+    if downstream_every:  # unknown tasks are found now, before any training
+        try:
+            downstream.check_config(cfg)
+        except (ValueError, ImportError) as err:
+            raise TrainingError(str(err)) from err
     accum = cfg.train.batch_size // di.world_size // cfg.train.micro_batch_size
     loader = TokenLoader(data_dir, "train", cfg.train.seq_len, cfg.train.batch_size, rank=di.rank,
                          world_size=di.world_size, seed=cfg.seed)
@@ -396,7 +403,8 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
             log_now = done % cfg.train.log_every == 0 or done == steps
             eval_now = done % cfg.train.eval_every == 0 or done == steps
             save_now = done % cfg.train.ckpt_every == 0 or done == steps
-            if not (log_now or eval_now or save_now):
+            downstream_now = bool(downstream_every) and (done % downstream_every == 0 or done == steps)
+            if not (log_now or eval_now or save_now or downstream_now):
                 continue
             metrics: dict[str, Any] = read_health()[-1]
             if log_now:
@@ -412,7 +420,9 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
             if eval_now:
                 last_val = evaluate(model, data_dir, cfg, di, autocast)
                 metrics = with_gap(done, metrics | {"val/loss": last_val})
-            tracker.log(done, metrics, line=log_now or eval_now)
+            if downstream_now:
+                metrics |= downstream.during_training(model, cfg, data_dir, main_rank, device)
+            tracker.log(done, metrics, line=log_now or eval_now or downstream_now)
             if eval_now:
                 tracker.info(f"step {done}: validation loss {last_val:.4f}")
             if save_now:

@@ -610,6 +610,33 @@ def _mandatory_inputs(cfg: Mapping[str, Any]) -> list[Any]:
         ) from None
 
 
+def dataset_dir(cfg: Mapping[str, Any]) -> Path:
+    """The directory ``{cache_dir}/{name}-{key}`` where :func:`prepare_from_config` prepares the
+    dataset of the ``data`` config group ``cfg`` (see there for ``key``), prepared or not.
+
+    Reads the inputs' sizes and modification times and the given tokenizer; writes nothing.
+    ValueError or FileNotFoundError as :func:`prepare_from_config` for unset or missing inputs.
+    """
+    tokenizer_path = _mandatory_tokenizer_path(cfg)
+    hf_dataset = dict(cfg["hf_dataset"]) if cfg.get("hf_dataset") else None
+    files = expand_inputs(_repo_path(p) for p in _mandatory_inputs(cfg))
+    key = _digest(
+        {
+            "sources": _source_ids(files, hf_dataset),
+            "tokenizer": (
+                Tokenizer(_repo_path(tokenizer_path)).sha256
+                if tokenizer_path
+                else {"train_bpe": int(cfg["vocab_size"])}
+            ),
+            "text_field": cfg.get("text_field") or "text",
+            "val_fraction": float(cfg["val_fraction"]),
+            "max_tokens": cfg.get("max_tokens"),
+            "format_version": FORMAT_VERSION,
+        }
+    )
+    return _repo_path(cfg["cache_dir"]) / f"{cfg['name']}-{key[:12]}"
+
+
 def prepare_from_config(cfg: Mapping[str, Any]) -> Path:
     """Prepare the dataset described by the ``data`` config group; return its directory.
 
@@ -634,17 +661,7 @@ def prepare_from_config(cfg: Mapping[str, Any]) -> Path:
     val_fraction = float(cfg["val_fraction"])
     max_tokens = cfg.get("max_tokens")
     given_tokenizer = Tokenizer(_repo_path(tokenizer_path)) if tokenizer_path else None
-    key = _digest(
-        {
-            "sources": _source_ids(files, hf_dataset),
-            "tokenizer": given_tokenizer.sha256 if given_tokenizer else {"train_bpe": vocab_size},
-            "text_field": text_field,
-            "val_fraction": val_fraction,
-            "max_tokens": max_tokens,
-            "format_version": FORMAT_VERSION,
-        }
-    )
-    out = _repo_path(cfg["cache_dir"]) / f"{cfg['name']}-{key[:12]}"
+    out = dataset_dir(cfg)
     if given_tokenizer:
         tokenizer = given_tokenizer
     elif (out / "tokenizer.model").is_file():

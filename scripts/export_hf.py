@@ -1,0 +1,251 @@
+"""Export a trained model to a Hugging Face ``LlamaForCausalLM`` folder (docs/export.md).
+
+    python scripts/export_hf.py runs/<run> hf/<run>                       # its newest complete checkpoint
+    python scripts/export_hf.py runs/<run>/checkpoints/step_00001000 hf/out --dtype bf16
+    python scripts/export_hf.py model.pt hf/out --tokenizer tokenizer.model   # from export_checkpoint.py
+
+The source is a run directory, a DCP checkpoint directory (``step_XXXXXXXX``, resolved and verified
+as scripts/export_checkpoint.py does) or the consolidated ``.pt`` that script writes. OUT_DIR gets
+``config.json``, ``model.safetensors`` (the FP32 master weights, or BF16 with ``--dtype bf16``), the
+tokenizer (``tokenizer.model``, ``tokenizer.json``, ``tokenizer_config.json``,
+``special_tokens_map.json``), ``generation_config.json`` and a ``README.md`` model card. The tokenizer
+is ``--tokenizer``, else the run config's ``data.tokenizer_path``, else the ``tokenizer.model`` of the
+prepared dataset directory. Everything is written to a temporary directory first and renamed into
+place, so a failed export leaves OUT_DIR as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import sentencepiece as spm
+import torch
+from safetensors.torch import save_file
+
+from data import prepare
+from data.tokenizer import Tokenizer, check_vocab
+from model.hf import HF_CONFIG, HF_WEIGHTS, SP_MODEL, hf_config, to_hf_state_dict
+from model.llama import LlamaConfig, build_model
+from scripts.export_checkpoint import export, resolve_checkpoint
+from training.run_dir import read_metrics, val_losses
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PROBE = "  Probe: 1234 tokens,\tüñí漢字\n\nend "  # checked to encode alike in SentencePiece and HF
+
+
+def load_source(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, Path | None]:
+    """State dict, resolved run config, step and run directory (None when unknown) of ``path``: a
+    consolidated ``.pt`` of scripts/export_checkpoint.py, a checkpoint or a run directory.
+
+    FileNotFoundError / ValueError (with the fix) for anything else."""
+    if path.is_file():
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # pickle, zip and weights-only errors all mean "not such a file"
+            raise ValueError(f"{path} is not a torch.save file ({type(err).__name__}). Fix: pass a run directory, "
+                             f"a step_XXXXXXXX checkpoint or a .pt of scripts/export_checkpoint.py") from None
+        if not (isinstance(blob, dict) and {"model", "config", "step"} <= set(blob)):
+            raise ValueError(f"{path} is not a consolidated checkpoint ({{'model', 'config', 'step'}} dict). "
+                             f"Fix: write one with scripts/export_checkpoint.py, or pass the run directory")
+        return blob["model"], blob["config"], int(blob["step"]), None
+    checkpoint = resolve_checkpoint(path)
+    if checkpoint != path:
+        print(f"exporting {checkpoint}, the newest complete checkpoint of {path}")
+    with tempfile.TemporaryDirectory() as tmp:
+        state, config, step, _ = load_source(export(checkpoint, Path(tmp) / "full.pt"))
+    return state, config, step, checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+
+
+def _prepared_tokenizer(data: Mapping[str, Any]) -> Path | None:
+    """``tokenizer.model`` of the dataset directory of the ``data`` config group
+    (:func:`data.prepare.dataset_dir`, where ``prepare_from_config`` trains it), or None when that
+    directory cannot be located (unset or changed inputs) or holds none. Nothing is prepared."""
+    try:
+        found = prepare.dataset_dir(data) / "tokenizer.model"
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    return found if found.is_file() else None
+
+
+def find_tokenizer(given: Path | None, data: Mapping[str, Any]) -> Path:
+    """The SentencePiece model to export: ``given``, else ``data.tokenizer_path`` (relative to the
+    repository root), else the prepared dataset's. FileNotFoundError naming the fix otherwise."""
+    fix = "Fix: pass --tokenizer /path/to/tokenizer.model (the SentencePiece model the run trained on)"
+    if given is not None:
+        if not given.is_file():
+            raise FileNotFoundError(f"--tokenizer {given} does not exist. {fix}")
+        return given
+    configured = data.get("tokenizer_path")
+    if configured and configured != "???":
+        path = prepare.REPO_ROOT / Path(configured).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"the run's data.tokenizer_path {path} does not exist. {fix}")
+        return path
+    if (prepared := _prepared_tokenizer(data)) is not None:
+        return prepared
+    raise FileNotFoundError(
+        f"no tokenizer found: the run config sets no data.tokenizer_path and the dataset "
+        f"{data.get('name')!r} is not prepared under {data.get('cache_dir')!r} (or its inputs changed). {fix}"
+    )
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """ValueError when ``out`` is a file, or a non-empty directory and not ``force``."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is a file. Fix: choose another OUT_DIR")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"{out} exists and is not empty. Fix: choose another OUT_DIR, or pass --force to replace it")
+
+
+def write_tokenizer(sp_model: Path, out: Path, max_len: int) -> tuple[int, int]:
+    """Write the HF tokenizer files of ``sp_model`` into ``out``; returns its (bos, eos) ids.
+
+    ``tokenizer.json`` is built by transformers' SentencePiece converter, which follows the model's own
+    normaliser settings; HF then encodes like ``data.tokenizer.Tokenizer.encode``: no BOS or EOS is
+    added and "<s>"-like text is not parsed as a special token (``split_special_tokens``).
+    ValueError when a probe text still encodes differently.
+    """
+    from transformers import AutoTokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    specials = {f"{name}_token": sp.id_to_piece(i)
+                for name, i in (("unk", sp.unk_id()), ("bos", sp.bos_id()), ("eos", sp.eos_id())) if i >= 0}
+    shutil.copyfile(sp_model, out / SP_MODEL)
+    _write_json(out / "special_tokens_map.json", specials)
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", **specials, "add_bos_token": False, "add_eos_token": False,
+        "split_special_tokens": True, "clean_up_tokenization_spaces": False, "model_max_length": max_len,
+    })
+    AutoTokenizer.from_pretrained(out).backend_tokenizer.save(str(out / "tokenizer.json"))
+    hf_ids = AutoTokenizer.from_pretrained(out)(PROBE)["input_ids"]
+    if hf_ids != sp.encode(PROBE):
+        raise ValueError(f"the converted HF tokenizer encodes {PROBE!r} as {hf_ids}, SentencePiece as "
+                         f"{sp.encode(PROBE)}; {sp_model} uses settings transformers cannot reproduce")
+    return sp.bos_id(), sp.eos_id()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _run_results(run_dir: Path | None, config: Mapping[str, Any], step: int) -> dict[str, Any]:
+    """Preset, scheme, run name, step, tokens (step × batch_size × seq_len) and the validation loss at
+    ``step`` (from metrics.jsonl, else summary.json when it is the final step; None when unrecorded)."""
+    train = config.get("train") or {}
+    summary_path = run_dir / "summary.json" if run_dir else None
+    summary = json.loads(summary_path.read_text()) if summary_path and summary_path.is_file() else {}
+    val = val_losses(read_metrics(run_dir)).get(step) if run_dir else None
+    if val is None and summary.get("steps") == step:
+        val = summary.get("final_val_loss")
+    tokens = step * train["batch_size"] * train["seq_len"] if {"batch_size", "seq_len"} <= set(train) else None
+    return {"preset": (config.get("model") or {}).get("name"), "scheme": (config.get("quant") or {}).get("name"),
+            "run": config.get("run_name") or (run_dir.name if run_dir else None), "step": step,
+            "tokens": tokens, "val_loss": val}
+
+
+def model_card(results: Mapping[str, Any], cfg: LlamaConfig, dtype: str) -> str:
+    """README.md of the exported folder."""
+    loss = f"{results['val_loss']:.4f}" if results["val_loss"] is not None else "not recorded"
+    tokens = f"{results['tokens']:,}" if results["tokens"] is not None else "unknown"
+    return f"""---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [llama, nvfp4]
+---
+
+# {results['run'] or results['preset']}
+
+A Llama-style decoder ({cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, {cfg.n_kv_head} key/value
+heads, vocabulary {cfg.vocab_size}) pre-trained under the `{results['scheme']}` quantization scheme.
+
+| preset | scheme | steps | tokens | validation loss at this step |
+|---|---|---|---|---|
+| {results['preset']} | {results['scheme']} | {results['step']} | {tokens} | {loss} |
+
+The weights are the high-precision master weights of the NVFP4-trained model, stored as {dtype}:
+NVFP4 was used in training only, and this checkpoint runs as an ordinary Llama. The training scheme is
+recorded in `config.json` under `nvfp4_training`.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("PATH")
+model = AutoModelForCausalLM.from_pretrained("PATH")
+```
+
+The tokenizer adds no BOS: training documents were EOS-terminated and never started with BOS.
+"""
+
+
+def write_folder(out: Path, state: Mapping[str, torch.Tensor], config: Mapping[str, Any], results: Mapping[str, Any],
+                 cfg: LlamaConfig, sp_model: Path, dtype: torch.dtype) -> None:
+    """Write every file of the exported folder into the existing directory ``out``."""
+    bos, eos = write_tokenizer(sp_model, out, cfg.max_seq_len)
+    weights = {k: v.detach().to(dtype=dtype, copy=True).contiguous() for k, v in to_hf_state_dict(state, cfg).items()}
+    save_file(weights, out / HF_WEIGHTS, metadata={"format": "pt"})
+    hf = hf_config(cfg, dtype=dtype, bos_token_id=bos, eos_token_id=eos)
+    hf["nvfp4_training"] = {"scheme": results["scheme"], "run": results["run"], "step": results["step"],
+                            "quant": dict(config.get("quant") or {})}
+    _write_json(out / HF_CONFIG, hf)
+    _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
+    (out / "README.md").write_text(model_card(results, cfg, hf["dtype"]))
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``, replacing what ``out`` held."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+
+
+def export_hf(source: Path, out: Path, dtype: str = "fp32", tokenizer: Path | None = None,
+              force: bool = False) -> Path:
+    """Export ``source`` (see :func:`load_source`) as an HF folder at ``out``; returns ``out``.
+
+    Every check (source, tokenizer, out) runs before anything is written."""
+    _check_out(out, force)
+    state, config, step, run_dir = load_source(source)
+    cfg = build_model(config["model"], device="meta").config
+    sp_model = find_tokenizer(tokenizer, config.get("data") or {})
+    check_vocab(Tokenizer(sp_model), cfg.vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write_folder(tmp, state, config, _run_results(run_dir, config, step), cfg, sp_model, DTYPES[dtype])
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line (see the module docstring); returns the exit status."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", type=Path, help="run directory, step_XXXXXXXX checkpoint, or consolidated .pt")
+    p.add_argument("out", type=Path, help="output folder (must not exist or be empty, unless --force)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="stored weight dtype (default fp32)")
+    p.add_argument("--tokenizer", type=Path, help="SentencePiece tokenizer.model (default: from the run config)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    a = p.parse_args(argv)
+    try:
+        print(export_hf(a.source, a.out, a.dtype, a.tokenizer, a.force))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
