@@ -30,12 +30,12 @@ import sentencepiece as spm
 import torch
 from safetensors.torch import save_file
 
-from data import prepare
 from data.tokenizer import Tokenizer, check_vocab
 from model.hf import HF_CONFIG, HF_WEIGHTS, SP_MODEL, hf_config, to_hf_state_dict
 from model.llama import LlamaConfig, build_model
-from scripts.export_checkpoint import export, resolve_checkpoint
+from scripts.export_checkpoint import resolve_checkpoint
 from training.run_dir import read_metrics, val_losses
+from training.trained_model import consolidate, find_tokenizer, read_consolidated
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROBE = "  Probe: 1234 tokens,\tüñí漢字\n\nend "  # checked to encode alike in SentencePiece and HF
@@ -43,58 +43,15 @@ PROBE = "  Probe: 1234 tokens,\tüñí漢字\n\nend "  # checked to encode alike
 
 def load_source(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, Path | None]:
     """State dict, resolved run config, step and run directory (None when unknown) of ``path``: a
-    consolidated ``.pt`` of scripts/export_checkpoint.py, a checkpoint or a run directory.
-
-    FileNotFoundError / ValueError (with the fix) for anything else."""
+    consolidated ``.pt`` of scripts/export_checkpoint.py, a checkpoint or a run directory
+    (``training.trained_model``). FileNotFoundError / ValueError (with the fix) for anything else."""
     if path.is_file():
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # pickle, zip and weights-only errors all mean "not such a file"
-            raise ValueError(f"{path} is not a torch.save file ({type(err).__name__}). Fix: pass a run directory, "
-                             f"a step_XXXXXXXX checkpoint or a .pt of scripts/export_checkpoint.py") from None
-        if not (isinstance(blob, dict) and {"model", "config", "step"} <= set(blob)):
-            raise ValueError(f"{path} is not a consolidated checkpoint ({{'model', 'config', 'step'}} dict). "
-                             f"Fix: write one with scripts/export_checkpoint.py, or pass the run directory")
-        return blob["model"], blob["config"], int(blob["step"]), None
-    checkpoint = resolve_checkpoint(path)
-    if checkpoint != path:
-        print(f"exporting {checkpoint}, the newest complete checkpoint of {path}")
-    with tempfile.TemporaryDirectory() as tmp:
-        state, config, step, _ = load_source(export(checkpoint, Path(tmp) / "full.pt"))
-    return state, config, step, checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
-
-
-def _prepared_tokenizer(data: Mapping[str, Any]) -> Path | None:
-    """``tokenizer.model`` of the dataset directory of the ``data`` config group
-    (:func:`data.prepare.dataset_dir`, where ``prepare_from_config`` trains it), or None when that
-    directory cannot be located (unset or changed inputs) or holds none. Nothing is prepared."""
-    try:
-        found = prepare.dataset_dir(data) / "tokenizer.model"
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return None
-    return found if found.is_file() else None
-
-
-def find_tokenizer(given: Path | None, data: Mapping[str, Any]) -> Path:
-    """The SentencePiece model to export: ``given``, else ``data.tokenizer_path`` (relative to the
-    repository root), else the prepared dataset's. FileNotFoundError naming the fix otherwise."""
-    fix = "Fix: pass --tokenizer /path/to/tokenizer.model (the SentencePiece model the run trained on)"
-    if given is not None:
-        if not given.is_file():
-            raise FileNotFoundError(f"--tokenizer {given} does not exist. {fix}")
-        return given
-    configured = data.get("tokenizer_path")
-    if configured and configured != "???":
-        path = prepare.REPO_ROOT / Path(configured).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"the run's data.tokenizer_path {path} does not exist. {fix}")
-        return path
-    if (prepared := _prepared_tokenizer(data)) is not None:
-        return prepared
-    raise FileNotFoundError(
-        f"no tokenizer found: the run config sets no data.tokenizer_path and the dataset "
-        f"{data.get('name')!r} is not prepared under {data.get('cache_dir')!r} (or its inputs changed). {fix}"
-    )
+        blob, run_dir = read_consolidated(path), None
+    else:
+        checkpoint = resolve_checkpoint(path)
+        blob = consolidate(checkpoint)
+        run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    return blob["model"], blob["config"], int(blob.get("step", 0)), run_dir
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -218,7 +175,7 @@ def export_hf(source: Path, out: Path, dtype: str = "fp32", tokenizer: Path | No
     _check_out(out, force)
     state, config, step, run_dir = load_source(source)
     cfg = build_model(config["model"], device="meta").config
-    sp_model = find_tokenizer(tokenizer, config.get("data") or {})
+    sp_model = find_tokenizer(tokenizer, None, config)
     check_vocab(Tokenizer(sp_model), cfg.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

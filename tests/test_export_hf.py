@@ -189,7 +189,7 @@ def test_errors_write_nothing(sp_model: Path, tmp_path: Path, capsys: pytest.Cap
     out = tmp_path / "out"
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     assert "neither a checkpoint" in error_of([str(tmp_path), str(out)], capsys)
-    assert "not a torch.save file" in error_of([str(tmp_path / "notes.txt"), str(out)], capsys)
+    assert "not a consolidated checkpoint" in error_of([str(tmp_path / "notes.txt"), str(out)], capsys)
     no_tok = write_pt(random_model(GQA), run_config(GQA, None), tmp_path / "m.pt")
     assert "--tokenizer" in error_of([str(no_tok), str(out)], capsys)
     assert not out.exists()

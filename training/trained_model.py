@@ -34,7 +34,8 @@ def read_consolidated(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch.load raises many types for files it cannot read; all mean "not one"
-        raise ValueError(f"{path} is not a consolidated checkpoint ({type(err).__name__}: {err}). "
+        reason = " ".join(str(err).split())  # one line: torch's messages span several
+        raise ValueError(f"{path} is not a consolidated checkpoint ({type(err).__name__}: {reason}). "
                          f"Fix: pass {KINDS}.") from None
     if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
         raise ValueError(f"{path} is a torch file but not a consolidated checkpoint (a dict with "
