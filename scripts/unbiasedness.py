@@ -50,8 +50,11 @@ import torch
 import torch.nn.functional as F
 
 import quant
+from analysis.bias import Z_FLAG, BiasStat, DirectionalBias, estimator_bias
 from model import build_model
 from model.llama import Llama
+from quant.hadamard import random_signs, rotate, unrotate
+from quant.quantizers import quantize_ms_eden, quantize_rtn, quantize_sr
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,6 +171,7 @@ class Curve:
     slope: float
     z2: float | None  # mean squared z-score of the mean at the largest B
     bias2: float | None  # estimated ‖E Ĝ − G‖² / ‖G‖²: err(B) minus the variance share, at the largest B
+    bias: BiasStat | None = None  # the direct statistic along G over all draws (analysis.bias)
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -225,11 +229,13 @@ def study(
         sums = [torch.zeros_like(g) for g in exact]
         squares = [torch.zeros_like(g) for g in exact]
         errors: list[list[float]] = [[] for _ in layers]
+        directional = [DirectionalBias(g) for g in exact]
         for i in range(1, max_b + 1):
             with quant.quant_step(i):
                 grads = torch.autograd.grad(loss, ws, retain_graph=i < max_b)
             for k, g in enumerate(grads):
                 g = g.double()
+                directional[k].add(g)
                 sums[k] += g
                 squares[k] += g * g
                 if i in bs:
@@ -243,13 +249,76 @@ def study(
                 ok = var > 1e-12 * var.max().clamp_min(1e-300)
                 z2 = (max_b * (mean - exact[k]).square()[ok] / var[ok]).mean().item()
                 bias2 = errors[k][-1] - var.sum().item() / max_b / norms[k]
-            c = Curve(spec, layer, bs, errors[k], loglog_slope(bs, errors[k]), z2, bias2, seconds)
+            direct = directional[k].result() if max_b >= 2 else None
+            c = Curve(spec, layer, bs, errors[k], loglog_slope(bs, errors[k]), z2, bias2, direct, seconds)
             curves.append(c)
             log(f"{scheme_label(spec)}, {layer}: err(1) {c.errors[0]:.4g}, err({max_b}) {c.errors[-1]:.3g}, "
                 f"slope {c.slope:+.3f}" + (f", z² {z2:.3g}, bias² {bias2:.2g}" if z2 is not None else "")
-                + f" ({seconds:.1f} s)")
+                + (f"; along G: {direct.describe()}" if direct else "") + f" ({seconds:.1f} s)")
         del qmodel, loss
     return curves
+
+
+OPERAND_SHAPE = (256, 1024)
+OPERAND_ROTATION = 128
+
+
+def operand_estimators(x: torch.Tensor, seed: int) -> dict[str, tuple[torch.Tensor, object]]:
+    """The operand-level estimators of the direct test, each as (the tensor it estimates, a
+    function of the draw index returning one estimate). Draw ``i`` takes its uniforms from a
+    generator seeded ``(seed, i)``; the rotated estimators use one fixed rotation (its signs
+    from ``seed``), except RTN after a fresh rotation, SPEC §5's example of a bias a slope misses.
+
+    ``sr`` (SPEC §2, 1×16 SR), ``sr+4/6`` (4/6 selection on SR: the biased control), ``ms_eden``
+    and ``ms_eden (post hoc)`` (steps 2–6 on the rotated tensor, against the rotated tensor),
+    ``rtn, fresh rotation`` (RTN of the rotated tensor, rotated back, against ``x``)."""
+    fixed = random_signs(OPERAND_ROTATION, torch.Generator().manual_seed(seed), "cpu")
+    x_rot = rotate(x, fixed)
+    groups = (*x.shape[:-1], x.shape[-1] // 16)
+
+    def gen(i: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed * 1_000_003 + i)
+
+    def rtn_fresh(i: int) -> torch.Tensor:
+        signs = random_signs(OPERAND_ROTATION, gen(i), "cpu")
+        return unrotate(quantize_rtn(rotate(x, signs)).dequantize(), signs)
+
+    return {
+        "sr": (x, lambda i: quantize_sr(x, torch.rand(x.shape, generator=gen(i))).dequantize()),
+        "sr+4/6": (x, lambda i: quantize_sr(x, torch.rand(x.shape, generator=gen(i)),
+                                            four_over_six=True).dequantize()),
+        "ms_eden": (x_rot, lambda i: quantize_ms_eden(x_rot, torch.rand(groups, generator=gen(i)),
+                                                       chunk=OPERAND_ROTATION).dequantize()),
+        "ms_eden (post hoc)": (x_rot, lambda i: quantize_ms_eden(x_rot, torch.rand(groups, generator=gen(i)),
+                                                                  chunk=OPERAND_ROTATION,
+                                                                  posthoc=True).dequantize()),
+        "rtn, fresh rotation": (x, rtn_fresh),
+    }
+
+
+def operand_study(draws: int, seed: int = 0, names: list[str] | None = None,
+                  shape: tuple[int, int] = OPERAND_SHAPE) -> dict[str, BiasStat]:
+    """The direct bias statistic (analysis.bias) of each operand estimator on a fixed Gaussian
+    tensor of ``shape`` (SPEC §5's 256×1024 by default), over ``draws`` draws."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    estimators = operand_estimators(x, seed)
+    if unknown := sorted(set(names or []) - set(estimators)):
+        raise StudyError(f"unknown operand estimator(s) {unknown}; choose from {sorted(estimators)}")
+    return {name: estimator_bias(draw, exact, draws)
+            for name, (exact, draw) in estimators.items() if names is None or name in names}
+
+
+def operand_markdown(stats: dict[str, BiasStat], seed: int) -> str:
+    rows = [f"## Direct bias test of the operand quantizers: fixed {OPERAND_SHAPE[0]}×{OPERAND_SHAPE[1]} Gaussian "
+            f"(seed {seed}), rotation {OPERAND_ROTATION}", "",
+            "| estimator | draws | z along X | shrinkage ± se | verdict |", "|---|---:|---:|---:|---|"]
+    for name, st in stats.items():
+        rows.append(f"| {name} | {st.n} | {st.z:+.1f} | {st.shrinkage:+.2e} ± {st.se:.1e} | "
+                    + ("**biased**" if st.biased else "no bias seen") + " |")
+    rows += ["", f"z = mean of p = ⟨X̂ − X, X⟩/‖X‖² over the draws, divided by its standard error: N(0, 1) "
+             f"for an unbiased estimator; biased when |z| > {Z_FLAG:g} (analysis.bias derives the threshold). "
+             "Shrinkage = −mean p: E[X̂] = (1 − shrinkage)·X along X.", ""]
+    return "\n".join(rows)
 
 
 def markdown(curves: list[Curve], header: str = "") -> str:
@@ -266,12 +335,20 @@ def markdown(curves: list[Curve], header: str = "") -> str:
         out.append(f"| z² at B={b} | " + " | ".join("—" if c.z2 is None else f"{c.z2:.3g}" for c in cs) + " |")
         out.append("| bias² estimate | " + " | ".join("—" if c.bias2 is None else f"{c.bias2:.1e}" for c in cs)
                    + " |")
+        out.append(f"| **z along G** (all {b} draws) | "
+                   + " | ".join("—" if c.bias is None else f"**{c.bias.z:+.1f}**" + (" ⚠" if c.bias.biased else "")
+                                for c in cs) + " |")
+        out.append("| shrinkage along G ± se | " + " | ".join(
+            "—" if c.bias is None else f"{c.bias.shrinkage:+.1e} ± {c.bias.se:.0e}" for c in cs) + " |")
         out.append("")
     out += ["Slope −1: the error of the mean falls as 1/B (unbiased); a flatter slope, an error that stops "
             "falling, is a bias floor. z² (mean over the gradient's elements of B·(mean − exact)²/variance "
             "at the largest B) is ≈ 1 for an unbiased estimator and grows in proportion to B with a bias. "
             "bias² estimate: err(B) minus the variance share tr(Σ)/(B·‖G‖²), i.e. the floor err(B) "
-            "would reach for B → ∞ (≈ 0 when unbiased, noisy at the level of err(B)/√B).", ""]
+            "would reach for B → ∞ (≈ 0 when unbiased, noisy at the level of err(B)/√B). "
+            "z along G: the mean over the draws of p = ⟨Ĝ − G, G⟩/‖G‖² divided by its standard error, "
+            f"N(0, 1) when unbiased; ⚠ marks |z| > {Z_FLAG:g} (analysis.bias gives the threshold's "
+            "derivation); shrinkage = −mean p, the relative shrinkage of E[Ĝ] along G.", ""]
     return "\n".join(out)
 
 
@@ -286,8 +363,11 @@ def plot(curves: list[Curve], path: Path) -> Path:
     for ax, layer in zip(axes[0], layers):
         cs = [c for c in curves if c.layer == layer]
         for c in cs:
-            ax.plot(c.bs, c.errors, marker="o", ms=4, ls="--" if c.scheme.endswith(CONTROL_SUFFIX) else "-",
-                    label=f"{scheme_label(c.scheme)} (slope {c.slope:+.2f})")
+            flagged = c.bias is not None and c.bias.biased
+            ax.plot(c.bs, c.errors, marker="x" if flagged else "o", ms=5 if flagged else 4,
+                    ls="--" if c.scheme.endswith(CONTROL_SUFFIX) else "-",
+                    label=f"{scheme_label(c.scheme)} (slope {c.slope:+.2f}"
+                          + (f"; biased, z {c.bias.z:+.0f})" if flagged else ")"))
         bs = cs[0].bs
         anchor = math.exp(sum(math.log(c.errors[0]) for c in cs) / len(cs))
         ax.plot(bs, [anchor / b for b in bs], color="black", lw=1, ls=":", label="∝ 1/B")
@@ -295,7 +375,7 @@ def plot(curves: list[Curve], path: Path) -> Path:
         ax.set_yscale("log")
         ax.set_xlabel("B (backward passes averaged)")
         ax.set_ylabel("‖mean Ĝ − G‖² / ‖G‖²")
-        ax.set_title(f"{layer} weight gradient", fontsize=10)
+        ax.set_title(f"{layer} weight gradient (x: |z| > {Z_FLAG:g} along G)", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -323,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU threads (default 1: the emulated quantizers run many small ops, which "
                         "extra threads slow down on small models; raise it for large ones)")
     p.add_argument("--out-dir", type=Path, default=Path("unbiasedness"), help="where the md/png/json go")
+    p.add_argument("--operands", type=int, metavar="DRAWS",
+                   help="instead of the layer study: the direct bias test of the operand quantizers on a "
+                        "fixed 256×1024 Gaussian, with DRAWS draws each (OUT_DIR/operand_bias.md and .json)")
     a = p.parse_args(argv)
+    if a.operands is not None:
+        return _operands_main(a)
     threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
     try:
@@ -347,9 +432,25 @@ def main(argv: list[str] | None = None) -> int:
         "model": what, "batch": a.batch, "seq_len": a.seq_len, "seed": a.seed,
         "curves": [{"scheme": c.scheme, "label": scheme_label(c.scheme), "layer": c.layer, "B": c.bs,
                     "rel_sq_error": c.errors, "slope": c.slope, "z2_at_max_b": c.z2, "bias2_estimate": c.bias2,
+                    "direct": None if c.bias is None else vars(c.bias) | {"biased": c.bias.biased},
                     "seconds": c.seconds}
                    for c in curves]}, indent=2) + "\n")
     print(f"plot: {plot(curves, a.out_dir / 'unbiasedness.png')}")
+    return 0
+
+
+def _operands_main(a: argparse.Namespace) -> int:
+    if a.operands < 2:
+        print(f"error: --operands needs at least 2 draws, got {a.operands}", file=sys.stderr)
+        return 1
+    stats = operand_study(a.operands, a.seed)
+    text = operand_markdown(stats, a.seed)
+    print(text)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    (a.out_dir / "operand_bias.md").write_text(text + "\n")
+    (a.out_dir / "operand_bias.json").write_text(json.dumps(
+        {"shape": OPERAND_SHAPE, "rotation": OPERAND_ROTATION, "seed": a.seed,
+         "estimators": {n: vars(st) | {"biased": st.biased} for n, st in stats.items()}}, indent=2) + "\n")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,7 +189,15 @@ def test_documented_report_is_what_compare_runs_prints(smoke_sweep, tmp_path, mo
     documented = "\n".join(line.removeprefix("    ") for line in block.splitlines())
     monkeypatch.chdir(tmp_path)
     assert cr.main([str(smoke_sweep)]) == 0
-    assert capsys.readouterr().out == documented + "\n"
+    printed = capsys.readouterr().out
+    # The text is the same; losses and gaps may differ in the third decimal between CPUs, whose
+    # BLAS kernels round the smoke sweep's FP32 training differently (an AMD EPYC against the
+    # machine the page was made on: 2.1e-3 in a loss, 1e-4 in a gap, 2026-12-02); the tolerance
+    # is about 5 times that. Counts are exact.
+    number = re.compile(r"[-+]?\d[\d,]*\.\d+")
+    assert number.sub("#", printed) == number.sub("#", documented + "\n")
+    for got, want in zip(number.findall(printed), number.findall(documented), strict=True):
+        assert float(got.replace(",", "")) == pytest.approx(float(want.replace(",", "")), abs=0.01), (got, want)
     assert (tmp_path / "loss_gap.png").is_file()
 
 

@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from analysis.bias import Z_FLAG, DirectionalBias
 from scripts import unbiasedness as ub
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -33,7 +34,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def curves(tiny):
     model, _, x, y = tiny
-    return {c.scheme: c for c in ub.study(model, x, y, ["quartet2", "nvidia+sr46"], [LAYER], max_b=256,
+    return {c.scheme: c for c in ub.study(model, x, y, ["quartet2", "tetrajet_v2", "nvidia+sr46"], [LAYER], max_b=256,
                                           ratio=2, seed=0, log=lambda m: None)}
 
 
@@ -99,3 +100,39 @@ def test_bad_arguments_fail_clearly(tiny, capsys):
         ub.study(model, x, y, ["quartet2"], ["blocks.0.attn.q_proj"], max_b=2)
     assert ub.main(["--model", "nope"]) == 1
     assert "no model preset 'nope'" in capsys.readouterr().err
+
+
+def test_direct_bias_along_the_exact_gradient(curves):
+    """The direct statistic (analysis.bias) at layer level: tetrajet_v2 passes, the control fails."""
+    tj, ctrl = curves["tetrajet_v2"].bias, curves["nvidia+sr46"].bias
+    assert tj.n == ctrl.n == 256
+    assert not tj.biased, tj
+    assert ctrl.biased, ctrl
+
+
+def test_direct_bias_test_of_operand_quantizers():
+    """On SPEC §5's fixed 256×1024 Gaussian (seed 0): SR passes, 4/6 selection on SR (the control)
+    fails, and MS-EDEN as SPEC §2 specifies it is flagged with its shrinkage. The draw counts give
+    the biased estimators an expected |z| well above the threshold: 300 draws measured z ≈ +9 for
+    the control, so 200 draws expect +7.3; MS-EDEN measured −34 (shrinkage 4.5e-4 ± 1.3e-5), so
+    60 draws have se ≈ 2.9e-5 and its shrinkage must lie in [3e-4, 8e-4], over 5 se either side."""
+    sr = ub.operand_study(100, seed=0, names=["sr"])["sr"]
+    ctrl = ub.operand_study(200, seed=0, names=["sr+4/6"])["sr+4/6"]
+    eden = ub.operand_study(60, seed=0, names=["ms_eden"])["ms_eden"]
+    assert not sr.biased and sr.n == 100, sr
+    assert ctrl.biased and ctrl.z > Z_FLAG and ctrl.shrinkage < 0, ctrl
+    assert eden.biased and eden.z < -Z_FLAG and 3e-4 < eden.shrinkage < 8e-4, eden
+
+
+def test_directional_statistic_finds_a_planted_shrinkage():
+    """A synthetic estimator 0.999·X + noise: z sees the 1e-3 shrinkage; the unshrunk one passes."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 64, generator=g)
+    noise = [torch.randn(64, 64, generator=g) * 0.05 for _ in range(400)]
+    shrunk, exact = DirectionalBias(x), DirectionalBias(x)
+    for e in noise:
+        shrunk.add(0.999 * x + e)
+        exact.add(x + e)
+    s, e = shrunk.result(), exact.result()
+    assert s.biased and s.shrinkage == pytest.approx(1e-3, abs=4 * s.se), s
+    assert not e.biased and abs(e.shrinkage) < 4 * e.se, e
