@@ -620,14 +620,17 @@ def dataset_dir(cfg: Mapping[str, Any]) -> Path:
     tokenizer_path = _mandatory_tokenizer_path(cfg)
     hf_dataset = dict(cfg["hf_dataset"]) if cfg.get("hf_dataset") else None
     files = expand_inputs(_repo_path(p) for p in _mandatory_inputs(cfg))
+    given = Tokenizer(_repo_path(tokenizer_path)) if tokenizer_path else None
+    return _dataset_dir(cfg, files, hf_dataset, given)
+
+
+def _dataset_dir(cfg: Mapping[str, Any], files: Sequence[Path], hf_dataset: Mapping[str, Any] | None,
+                 given_tokenizer: Tokenizer | None) -> Path:
+    """:func:`dataset_dir` from the inputs and the given tokenizer already resolved."""
     key = _digest(
         {
             "sources": _source_ids(files, hf_dataset),
-            "tokenizer": (
-                Tokenizer(_repo_path(tokenizer_path)).sha256
-                if tokenizer_path
-                else {"train_bpe": int(cfg["vocab_size"])}
-            ),
+            "tokenizer": given_tokenizer.sha256 if given_tokenizer else {"train_bpe": int(cfg["vocab_size"])},
             "text_field": cfg.get("text_field") or "text",
             "val_fraction": float(cfg["val_fraction"]),
             "max_tokens": cfg.get("max_tokens"),
@@ -661,7 +664,7 @@ def prepare_from_config(cfg: Mapping[str, Any]) -> Path:
     val_fraction = float(cfg["val_fraction"])
     max_tokens = cfg.get("max_tokens")
     given_tokenizer = Tokenizer(_repo_path(tokenizer_path)) if tokenizer_path else None
-    out = dataset_dir(cfg)
+    out = _dataset_dir(cfg, files, hf_dataset, given_tokenizer)
     if given_tokenizer:
         tokenizer = given_tokenizer
     elif (out / "tokenizer.model").is_file():
