@@ -230,6 +230,21 @@ def stochastic_round_e4m3(c: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return torch.where(uniforms < p_up, up, down)
 
 
+def _energy_weights(s_b: torch.Tensor, per_chunk: int) -> torch.Tensor:
+    """``(s_g / 2^E)²`` per group, chunks of ``per_chunk`` groups along the last dim, ``2^E`` the
+    largest power of two not above the chunk's largest block scale (1 for an all-zero chunk)."""
+    s = s_b.reshape(*s_b.shape[:-1], s_b.shape[-1] // per_chunk, per_chunk)
+    top = s.amax(-1, keepdim=True)
+    _, e = torch.frexp(torch.where(top > 0, top, 1.0))
+    return (s / torch.ldexp(torch.ones_like(top), e - 1)) ** 2
+
+
+def _weighted_chunk_sum(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``Σ_g w_g Σ_i v_gi`` over each chunk (last dim of ``v``), summed in :func:`chunk_sum`'s order."""
+    groups = tree_sum(v.reshape(*v.shape[:-1], v.shape[-1] // GROUP, GROUP)).squeeze(-1)
+    return tree_sum(groups * w)
+
+
 def quantize_ms_eden(
     x_rot: torch.Tensor,
     scale_uniforms: torch.Tensor,
@@ -237,6 +252,7 @@ def quantize_ms_eden(
     dim: int = -1,
     amax: torch.Tensor | None = None,
     posthoc: bool = False,
+    correction: str = "chunk_scaled",
 ) -> NVFP4Tensor:
     """MS-EDEN steps 2–6 (SPEC §2) on an input already rotated along ``dim`` in chunks of ``chunk``.
 
@@ -247,6 +263,15 @@ def quantize_ms_eden(
     5. ``sr(c)``: stochastic rounding to an E4M3 neighbour, one uniform per 16-element group
        (``scale_uniforms`` has the shape of ``x_rot`` with ``dim`` divided by 16).
     6. ``x̂ = q · sr(c) · s_t``, left in the rotated basis.
+
+    ``correction="energy"`` replaces step 4's S by the ratio over the unscaled values of the chunk,
+    ``S = Σ_g s_g² Σ_i x_s,gi² / Σ_g s_g² Σ_i x_s,gi q_gi`` with ``s_g`` the group's block scale (the
+    tensor scale cancels): each group weighs by its energy rather than equally, which removes the
+    shrinkage that ``chunk_scaled`` (the paper's step 4) shows when the groups of a chunk have
+    different scales (``docs/spec.md`` §5). The weights are ``(s_g / 2^E)²``, with ``2^E`` the
+    largest power of two not above the chunk's largest block scale, so they lie in (0, 4) and the
+    sums neither overflow nor underflow in FP32; each group's sum is by :func:`tree_sum`, then
+    the weighted group sums by :func:`tree_sum`, as in :func:`chunk_sum`.
 
     ``posthoc=True`` is post hoc range alignment (SPEC §2, last paragraph), which needs no tensor
     amax before the elements are rounded, so a kernel quantizes in one pass over ``x_rot``:
@@ -294,8 +319,15 @@ def quantize_ms_eden(
     per_chunk = chunk // GROUP
     xs_c = x_s.reshape(*x_s.shape[:-2], x_s.shape[-2] // per_chunk, per_chunk * GROUP)
     q_c = q.reshape(xs_c.shape)
-    num = chunk_sum(xs_c * xs_c)
-    den = chunk_sum(xs_c * q_c)
+    if correction == "chunk_scaled":
+        num = chunk_sum(xs_c * xs_c)
+        den = chunk_sum(xs_c * q_c)
+    elif correction == "energy":
+        w = _energy_weights(s_b.squeeze(-1), per_chunk)
+        num = _weighted_chunk_sum(xs_c * xs_c, w)
+        den = _weighted_chunk_sum(xs_c * q_c, w)
+    else:
+        raise ValueError(f"unknown MS-EDEN correction {correction!r}: use chunk_scaled or energy")
     S = torch.where(den != 0, num / torch.where(den != 0, den, 1.0), 1.0)
     c = s_b.squeeze(-1) * S.repeat_interleave(per_chunk, -2).squeeze(-1)
     if posthoc:

@@ -271,13 +271,19 @@ def operand_estimators(x: torch.Tensor, seed: int) -> dict[str, tuple[torch.Tens
 
     ``sr`` (SPEC §2, 1×16 SR), ``sr+4/6`` (4/6 selection on SR: the biased control), ``ms_eden``
     and ``ms_eden (post hoc)`` (steps 2–6 on the rotated tensor, against the rotated tensor),
-    ``rtn, fresh rotation`` (RTN of the rotated tensor, rotated back, against ``x``)."""
+    ``rtn, fresh rotation`` (RTN of the rotated tensor, rotated back, against ``x``); ``ms_eden
+    energy`` and its post hoc form use the energy-weighted correction
+    (:func:`~quant.quantizers.quantize_ms_eden`, ``correction="energy"``)."""
     fixed = random_signs(OPERAND_ROTATION, torch.Generator().manual_seed(seed), "cpu")
     x_rot = rotate(x, fixed)
     groups = (*x.shape[:-1], x.shape[-1] // 16)
 
     def gen(i: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed * 1_000_003 + i)
+
+    def eden(posthoc: bool, correction: str):
+        return lambda i: quantize_ms_eden(x_rot, torch.rand(groups, generator=gen(i)), chunk=OPERAND_ROTATION,
+                                          posthoc=posthoc, correction=correction).dequantize()
 
     def rtn_fresh(i: int) -> torch.Tensor:
         signs = random_signs(OPERAND_ROTATION, gen(i), "cpu")
@@ -287,11 +293,10 @@ def operand_estimators(x: torch.Tensor, seed: int) -> dict[str, tuple[torch.Tens
         "sr": (x, lambda i: quantize_sr(x, torch.rand(x.shape, generator=gen(i))).dequantize()),
         "sr+4/6": (x, lambda i: quantize_sr(x, torch.rand(x.shape, generator=gen(i)),
                                             four_over_six=True).dequantize()),
-        "ms_eden": (x_rot, lambda i: quantize_ms_eden(x_rot, torch.rand(groups, generator=gen(i)),
-                                                       chunk=OPERAND_ROTATION).dequantize()),
-        "ms_eden (post hoc)": (x_rot, lambda i: quantize_ms_eden(x_rot, torch.rand(groups, generator=gen(i)),
-                                                                  chunk=OPERAND_ROTATION,
-                                                                  posthoc=True).dequantize()),
+        "ms_eden": (x_rot, eden(False, "chunk_scaled")),
+        "ms_eden (post hoc)": (x_rot, eden(True, "chunk_scaled")),
+        "ms_eden energy": (x_rot, eden(False, "energy")),
+        "ms_eden energy (post hoc)": (x_rot, eden(True, "energy")),
         "rtn, fresh rotation": (x, rtn_fresh),
     }
 

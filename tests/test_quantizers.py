@@ -320,3 +320,35 @@ def test_bias_check_detects_rtn_after_rotation():
     """The same check flags RTN after a random rotation, which has a −0.92 slope yet is biased."""
     ratio, sigma = _bias_ratio("rtn_rotated", 1024)
     assert ratio > 1 + 6 * sigma, (ratio, sigma)
+
+
+
+def test_energy_weighted_eden_correction_weighs_groups_by_their_scale():
+    """``correction="energy"`` (quantize_ms_eden's docstring): when every group of a chunk has the
+    same block scale the weights are equal and the result is the chunk-scaled one bit for bit;
+    the weighted sums equal ``Σ_g s_g² Σ_i v_gi / 2^(2E)`` in FP64 to FP32 rounding (a relative
+    1e-5 bounds 128 additions at 2^-24 each), with weights in (0, 4); an unknown correction is a
+    clear error."""
+    from quant.quantizers import _energy_weights, _weighted_chunk_sum, quantize_ms_eden
+
+    g = torch.Generator().manual_seed(5)
+    u = torch.rand(4, 8, generator=g)
+    same = torch.randn(4, 128, generator=g).sign() * 2.0  # every group's amax is 2
+    for posthoc in (False, True):
+        a = quantize_ms_eden(same, u, posthoc=posthoc)
+        b = quantize_ms_eden(same, u, posthoc=posthoc, correction="energy")
+        assert torch.equal(a.block_scale, b.block_scale) and torch.equal(a.q, b.q)
+
+    s_b = torch.rand(4, 8, generator=g) * 2.0 ** torch.randint(-20, 20, (4, 8), generator=g)
+    v = torch.randn(4, 1, 128, generator=g)
+    w = _energy_weights(s_b, 8)
+    assert w.shape == (4, 1, 8) and ((w > 0) & (w < 4)).all() and (w.amax(-1) >= 1).all()
+    _, e = torch.frexp(s_b.amax(-1, keepdim=True))
+    norm = 4.0 ** (e.double().squeeze(-1) - 1)
+    groups = v.double().reshape(4, 8, 16)
+    expect = (s_b.double() ** 2 * groups.sum(-1)).sum(-1) / norm
+    scale = (s_b.double() ** 2 * groups.abs().sum(-1)).sum(-1) / norm
+    got = _weighted_chunk_sum(v, w).reshape(4).double()
+    assert ((got - expect).abs() <= 1e-5 * scale).all(), (got, expect)
+    with pytest.raises(ValueError, match="unknown MS-EDEN correction"):
+        quantize_ms_eden(same, u, correction="energy_weighted")
