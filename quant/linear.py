@@ -107,6 +107,10 @@ def _quantize(
     family = ("eden" if op.quantizer == "ms_eden" else "rht" if signs is not None
               else "sr" if op.quantizer == "sr" else "rtn")
     if type(src) is not _Factor or backend.use_triton(src.values, family):
+        if op.eden_correction != "chunk_scaled":
+            raise NotImplementedError(
+                f"eden_correction={op.eden_correction} runs on the reference backend only: set "
+                "NVFP4_BACKEND=reference (the Triton kernels implement chunk_scaled)")
         from .kernels.dispatch import quantize_factor
 
         return quantize_factor(src, op, signs, rng, rotation, delayed, slot, pack)
@@ -125,7 +129,7 @@ def _quantize(
         q = quantize_sr(x, u, amax=amax, four_over_six=op.four_over_six)
     else:  # ms_eden
         u = uniforms(rng, (*x.shape[:-1], x.shape[-1] // GROUP), "ms_eden", x.device)
-        q = quantize_ms_eden(x, u, chunk=rotation, amax=amax, posthoc=op.posthoc)
+        q = quantize_ms_eden(x, u, chunk=rotation, amax=amax, posthoc=op.posthoc, correction=op.eden_correction)
         if op.posthoc:  # a power-of-two tensor scale: the values carry it (step 4 below)
             return _Factor(q.dequantize()), q
     return _Factor.of(q), q

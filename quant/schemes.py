@@ -29,6 +29,8 @@ from typing import Any
 from .hadamard import check_rotation_size
 
 QUANTIZERS = ("none", "rtn", "rtn_2d", "sr", "ms_eden")
+EDEN_CORRECTIONS = ("chunk_scaled", "energy")
+"""MS-EDEN step 4 variants (``quant.quantizers.quantize_ms_eden``'s ``correction``)."""
 STOCHASTIC = ("sr", "ms_eden")
 
 
@@ -43,12 +45,15 @@ class Operand:
             ``"quantized"`` (the forward's quantized tensor). Ignored for E and forward operands.
         posthoc: MS-EDEN only: post hoc range alignment instead of a tensor amax pass (SPEC §2;
             ``quant.quantizers.quantize_ms_eden``), which lets the kernels quantize in one pass.
+        eden_correction: MS-EDEN only: step 4's S, ``"chunk_scaled"`` (SPEC §2 as written) or
+            ``"energy"`` (over the unscaled values; ``docs/spec.md`` §5).
     """
 
     quantizer: str = "none"
     four_over_six: bool = False
     source: str = "input"
     posthoc: bool = False
+    eden_correction: str = "chunk_scaled"
 
     def __post_init__(self) -> None:
         if self.quantizer not in QUANTIZERS:
@@ -59,6 +64,10 @@ class Operand:
             raise ValueError(f"4/6 selection applies to rtn, rtn_2d or sr, not {self.quantizer!r}")
         if self.posthoc and self.quantizer != "ms_eden":
             raise ValueError(f"post hoc range alignment applies to ms_eden, not {self.quantizer!r}")
+        if self.eden_correction not in EDEN_CORRECTIONS:
+            raise ValueError(f"unknown eden_correction {self.eden_correction!r}; choose one of {EDEN_CORRECTIONS}")
+        if self.eden_correction != "chunk_scaled" and self.quantizer != "ms_eden":
+            raise ValueError(f"eden_correction applies to ms_eden, not {self.quantizer!r}")
 
 
 @dataclass(frozen=True)
@@ -185,6 +194,7 @@ def get_scheme(
     sr_four_over_six: bool = False,
     delayed_amax: bool = False,
     range_alignment: str | None = None,
+    eden_correction: str = "chunk_scaled",
 ) -> Scheme:
     """A named scheme with the ablation switches of SPEC §3 applied.
 
@@ -202,6 +212,9 @@ def get_scheme(
             presets' default: post hoc range alignment, SPEC §2, one quantization pass) or
             ``"amax"`` (SPEC §2's table: a tensor amax first). ``None``: ``"amax"`` with
             ``delayed_amax`` (post hoc alignment has no amax to delay), else ``"posthoc"``.
+        eden_correction: MS-EDEN step 4's S: ``"chunk_scaled"`` (SPEC §2, the default) or
+            ``"energy"`` (groups weighted by their block scale squared; ``docs/spec.md`` §5). The
+            Triton kernels implement ``chunk_scaled`` only; ``energy`` runs on the reference backend.
     """
     if name not in SCHEMES:
         raise ValueError(
@@ -225,8 +238,10 @@ def get_scheme(
     if delayed_amax and range_alignment == "posthoc":
         raise ValueError("delayed_amax needs range_alignment='amax': post hoc range alignment "
                          "computes no tensor amax to delay")
-    dgrad, wgrad = (_with_operands(g, ("ms_eden",), posthoc=range_alignment == "posthoc")
-                    for g in (dgrad, wgrad))
+    if eden_correction not in EDEN_CORRECTIONS:
+        raise ValueError(f"unknown eden_correction {eden_correction!r}; choose one of {EDEN_CORRECTIONS}")
+    dgrad, wgrad = (_with_operands(g, ("ms_eden",), posthoc=range_alignment == "posthoc",
+                                   eden_correction=eden_correction) for g in (dgrad, wgrad))
     if not forward:
         fwd = _without_quantization(fwd)
     if not backward:

@@ -143,6 +143,10 @@ def _check_switch(switch: str, value, base: quant.Scheme, s: quant.Scheme) -> No
         assert not any(o.posthoc for o in _ops(s.dgrad, s.wgrad))  # delayed amax needs an amax pass
     elif switch == "range_alignment":
         assert all(o.posthoc is (value == "posthoc") for o in _ops(s.dgrad, s.wgrad) if o.quantizer == "ms_eden")
+    elif switch == "eden_correction":
+        eden = [o for o in _ops(s.dgrad, s.wgrad) if o.quantizer == "ms_eden"]
+        assert all(o.eden_correction == value for o in eden)
+        assert s.forward == base.forward
     else:
         raise AssertionError(f"no check for the switch {switch!r}")
 
@@ -150,7 +154,7 @@ def _check_switch(switch: str, value, base: quant.Scheme, s: quant.Scheme) -> No
 # Every ablation switch of quant.get_scheme (test_switch_table_is_complete) with values off its default.
 SWITCHES = [("forward", False), ("backward", False), ("rotation", 64), ("four_over_six", True),
             ("four_over_six", False), ("sr_four_over_six", True), ("delayed_amax", True),
-            ("range_alignment", "amax")]
+            ("range_alignment", "amax"), ("eden_correction", "energy")]
 
 
 def test_switch_table_is_complete():

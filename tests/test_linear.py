@@ -17,6 +17,7 @@ from quant import (
     quantized_linear,
     set_quant_rng,
 )
+from quant.backend import use_backend
 from quant.randomness import derive_seed, rng_state
 from tests.test_quantizers import loglog_slope
 
@@ -369,3 +370,27 @@ def test_compiled_quantized_linear_equals_eager(alignment):
     compiled = run(torch.compile(lin))
     for e, c, what in zip(eager, compiled, ("y", "dx", "dw")):
         assert torch.equal(e, c), what
+
+
+def test_energy_eden_correction_changes_only_the_ms_eden_operands():
+    """quartet2 with ``eden_correction=energy``: the same forward (no MS-EDEN there), backward
+    gradients from the energy-weighted S (so they differ from step 4 as written under the same
+    draws) that stay close to them; an unknown correction is a clear error."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(128, 128, generator=g)
+    w = torch.randn(128, 128, generator=g) * 0.1
+    grads = {}
+    for correction in ("chunk_scaled", "energy"):
+        scheme = get_scheme("quartet2", eden_correction=correction)
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with use_backend("reference"):
+            y = quantized_linear(xi, wi, scheme, 3)
+            y.backward(torch.randn(128, 128, generator=torch.Generator().manual_seed(12)))
+        grads[correction] = (y.detach(), xi.grad, wi.grad)
+    (y0, dx0, dw0), (y1, dx1, dw1) = grads["chunk_scaled"], grads["energy"]
+    assert torch.equal(y0, y1)
+    assert torch.isfinite(dx1).all() and torch.isfinite(dw1).all()
+    assert not torch.equal(dx0, dx1) and not torch.equal(dw0, dw1)
+    assert (dx1 - dx0).norm() < 0.05 * dx0.norm() and (dw1 - dw0).norm() < 0.05 * dw0.norm()
+    with pytest.raises(ValueError, match="unknown eden_correction"):
+        get_scheme("quartet2", eden_correction="energetic")
