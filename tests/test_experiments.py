@@ -213,3 +213,19 @@ def test_paper_30m_is_the_spec_recipe_at_25_tokens_per_param():
     assert steps == 2908 and cfg.run_name == "30m-nvidia-25tpp-s0"
     c4 = compose_with_hydra(["experiment=paper_30m", "data=c4", "data.tokenizer_path=/tok.model"])
     assert c4.data.name == "c4" and c4.train.tokens_per_param == 25
+
+
+def test_results_runs_are_not_git_ignored():
+    """``scripts/repro_paper_30m.sh`` copies each finished run to ``docs/results/<name>/runs/``;
+    the repository's ignore rules must keep those files (only the root ``runs/`` is ignored)."""
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    root = Path(__file__).resolve().parents[1]
+    paths = ["docs/results/paper_30m_h200/runs/30m-quartet2-25tpp-s0/metrics.jsonl", "runs/x/metrics.jsonl"]
+    out = subprocess.run(["git", "-c", f"core.excludesFile={root / '.gitignore'}", "check-ignore", "--no-index",
+                          *paths], cwd=root, capture_output=True, text=True)
+    if out.returncode > 1:
+        pytest.skip(f"git check-ignore unavailable here: {out.stderr.strip()}")
+    assert out.stdout.split() == ["runs/x/metrics.jsonl"], out.stdout
