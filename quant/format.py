@@ -66,6 +66,12 @@ def encode_e2m1(q: torch.Tensor) -> torch.Tensor:
     return (sign * 8 + mag).to(torch.uint8)
 
 
+def unpack_codes(data: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of packed bytes along the last dim: element ``2i`` from the low nibble of
+    byte ``i``, ``2i+1`` from its high nibble (:meth:`NVFP4Tensor.pack`'s order)."""
+    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
+
+
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Float32 values of 4-bit E2M1 codes (inverse of :func:`encode_e2m1`)."""
     codes = codes.to(torch.int64)
@@ -227,11 +233,8 @@ class PackedNVFP4:
     tile: str = "1x16"
 
     def unpack(self) -> NVFP4Tensor:
-        lo = self.data & 0xF
-        hi = self.data >> 4
-        codes = torch.stack((lo, hi), dim=-1).flatten(-2)
         return NVFP4Tensor(
-            q=decode_e2m1(codes),
+            q=decode_e2m1(unpack_codes(self.data)),
             block_scale=self.scales.float(),
             tensor_scale=self.tensor_scale,
             dim=self.dim,

@@ -87,12 +87,14 @@ def tree_sum(v: torch.Tensor) -> torch.Tensor:
 FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126
 
 
-def chunk_sum(v: torch.Tensor) -> torch.Tensor:
+def chunk_sum(v: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over the last dim (a multiple of 16, one rotation chunk) in a fixed order: each
     16-group by :func:`tree_sum`, then the group sums by :func:`tree_sum`. (A kernel holding a
-    group in one thread adds it there, then combines one number per group across threads.)"""
+    group in one thread adds it there, then combines one number per group across threads.)
+    ``weights`` (one per group) gives ``Σ_g w_g Σ_i v_gi``, each group sum multiplied by its
+    weight before the second tree."""
     groups = tree_sum(v.reshape(*v.shape[:-1], v.shape[-1] // GROUP, GROUP)).squeeze(-1)
-    return tree_sum(groups)
+    return tree_sum(groups if weights is None else groups * weights)
 
 
 def amax_of(x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,12 +241,6 @@ def _energy_weights(s_b: torch.Tensor, per_chunk: int) -> torch.Tensor:
     return (s / torch.ldexp(torch.ones_like(top), e - 1)) ** 2
 
 
-def _weighted_chunk_sum(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``Σ_g w_g Σ_i v_gi`` over each chunk (last dim of ``v``), summed in :func:`chunk_sum`'s order."""
-    groups = tree_sum(v.reshape(*v.shape[:-1], v.shape[-1] // GROUP, GROUP)).squeeze(-1)
-    return tree_sum(groups * w)
-
-
 def quantize_ms_eden(
     x_rot: torch.Tensor,
     scale_uniforms: torch.Tensor,
@@ -270,8 +266,7 @@ def quantize_ms_eden(
     shrinkage that ``chunk_scaled`` (the paper's step 4) shows when the groups of a chunk have
     different scales (``docs/spec.md`` §5). The weights are ``(s_g / 2^E)²``, with ``2^E`` the
     largest power of two not above the chunk's largest block scale, so they lie in (0, 4) and the
-    sums neither overflow nor underflow in FP32; each group's sum is by :func:`tree_sum`, then
-    the weighted group sums by :func:`tree_sum`, as in :func:`chunk_sum`.
+    sums neither overflow nor underflow in FP32; the sums are :func:`chunk_sum`'s, weighted.
 
     ``posthoc=True`` is post hoc range alignment (SPEC §2, last paragraph), which needs no tensor
     amax before the elements are rounded, so a kernel quantizes in one pass over ``x_rot``:
@@ -319,15 +314,11 @@ def quantize_ms_eden(
     per_chunk = chunk // GROUP
     xs_c = x_s.reshape(*x_s.shape[:-2], x_s.shape[-2] // per_chunk, per_chunk * GROUP)
     q_c = q.reshape(xs_c.shape)
-    if correction == "chunk_scaled":
-        num = chunk_sum(xs_c * xs_c)
-        den = chunk_sum(xs_c * q_c)
-    elif correction == "energy":
-        w = _energy_weights(s_b.squeeze(-1), per_chunk)
-        num = _weighted_chunk_sum(xs_c * xs_c, w)
-        den = _weighted_chunk_sum(xs_c * q_c, w)
-    else:
+    if correction not in ("chunk_scaled", "energy"):
         raise ValueError(f"unknown MS-EDEN correction {correction!r}: use chunk_scaled or energy")
+    w = _energy_weights(s_b.squeeze(-1), per_chunk) if correction == "energy" else None
+    num = chunk_sum(xs_c * xs_c, w)
+    den = chunk_sum(xs_c * q_c, w)
     S = torch.where(den != 0, num / torch.where(den != 0, den, 1.0), 1.0)
     c = s_b.squeeze(-1) * S.repeat_interleave(per_chunk, -2).squeeze(-1)
     if posthoc:

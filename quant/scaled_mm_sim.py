@@ -18,14 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .format import GROUP, decode_e2m1
+from .format import GROUP, decode_e2m1, unpack_codes
 from .scale_layout import NativeOperands, unswizzle_scales
-
-
-def _decode_codes(data: torch.Tensor) -> torch.Tensor:
-    """Float32 E2M1 values of packed bytes (element ``2i`` low nibble, ``2i+1`` high)."""
-    codes = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
-    return decode_e2m1(codes)
 
 
 def _block_scaled(data: torch.Tensor, flat_scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -34,7 +28,7 @@ def _block_scaled(data: torch.Tensor, flat_scale: torch.Tensor, rows: int) -> to
     s = unswizzle_scales(flat_scale, rows, k_padded // GROUP)
     if s.dtype != torch.float8_e4m3fn:
         s = s.view(torch.float8_e4m3fn)  # uint8 bytes are read as E4M3
-    return _decode_codes(data) * s.float().repeat_interleave(GROUP, dim=-1)
+    return decode_e2m1(unpack_codes(data)) * s.float().repeat_interleave(GROUP, dim=-1)
 
 
 def round_once(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

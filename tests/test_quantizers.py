@@ -329,7 +329,7 @@ def test_energy_weighted_eden_correction_weighs_groups_by_their_scale():
     the weighted sums equal ``Σ_g s_g² Σ_i v_gi / 2^(2E)`` in FP64 to FP32 rounding (a relative
     1e-5 bounds 128 additions at 2^-24 each), with weights in (0, 4); an unknown correction is a
     clear error."""
-    from quant.quantizers import _energy_weights, _weighted_chunk_sum, quantize_ms_eden
+    from quant.quantizers import _energy_weights, chunk_sum, quantize_ms_eden
 
     g = torch.Generator().manual_seed(5)
     u = torch.rand(4, 8, generator=g)
@@ -348,7 +348,7 @@ def test_energy_weighted_eden_correction_weighs_groups_by_their_scale():
     groups = v.double().reshape(4, 8, 16)
     expect = (s_b.double() ** 2 * groups.sum(-1)).sum(-1) / norm
     scale = (s_b.double() ** 2 * groups.abs().sum(-1)).sum(-1) / norm
-    got = _weighted_chunk_sum(v, w).reshape(4).double()
+    got = chunk_sum(v, w).reshape(4).double()
     assert ((got - expect).abs() <= 1e-5 * scale).all(), (got, expect)
     with pytest.raises(ValueError, match="unknown MS-EDEN correction"):
         quantize_ms_eden(same, u, correction="energy_weighted")
