@@ -213,8 +213,8 @@ def get_scheme(
             ``"amax"`` (SPEC §2's table: a tensor amax first). ``None``: ``"amax"`` with
             ``delayed_amax`` (post hoc alignment has no amax to delay), else ``"posthoc"``.
         eden_correction: MS-EDEN step 4's S: ``"chunk_scaled"`` (SPEC §2, the default) or
-            ``"energy"`` (groups weighted by their block scale squared; ``docs/spec.md`` §5). The
-            Triton kernels implement ``chunk_scaled`` only; ``energy`` runs on the reference backend.
+            ``"energy"`` (groups weighted by their block scale squared; ``docs/spec.md`` §5), on
+            every backend.
     """
     if name not in SCHEMES:
         raise ValueError(

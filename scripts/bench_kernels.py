@@ -115,6 +115,9 @@ def cases(x: torch.Tensor):
          lambda t: K.rht_ms_eden(x, s128, t, None, seed, None, False), amax_bytes),
         ("rht128 + ms-eden, post hoc (quartet2)", 0.60,
          lambda t: K.rht_ms_eden(x, s128, t, None, seed, None, False, posthoc=True), posthoc_bytes),
+        ("rht128 + ms-eden, post hoc, energy (quartet2 eden_correction=energy)", 0.60,
+         lambda t: K.rht_ms_eden(x, s128, t, None, seed, None, False, posthoc=True,
+                                 eden_correction="energy"), posthoc_bytes),
         ("rht128 + ms-eden, post hoc, rows to fix (quartet2 E of qkv)", 0.60,
          lambda t: K.rht_ms_eden(x_fix, s128, t, None, seed, None, False, posthoc=True),
          posthoc_bytes),
@@ -158,6 +161,12 @@ def check() -> None:
                  lambda: quantize_ms_eden(rotate(a, sg), ug, chunk=h)),
                 (f"rht{h}_eden_posthoc", lambda: K.rht_ms_eden(xd, sg.to(dev), t, ug.to(dev), posthoc=True),
                  lambda: quantize_ms_eden(rotate(a, sg), ug, chunk=h, posthoc=True)),
+                (f"rht{h}_eden_energy",
+                 lambda: K.rht_ms_eden(xd, sg.to(dev), t, ug.to(dev), eden_correction="energy"),
+                 lambda: quantize_ms_eden(rotate(a, sg), ug, chunk=h, correction="energy")),
+                (f"rht{h}_eden_posthoc_energy",
+                 lambda: K.rht_ms_eden(xd, sg.to(dev), t, ug.to(dev), posthoc=True, eden_correction="energy"),
+                 lambda: quantize_ms_eden(rotate(a, sg), ug, chunk=h, posthoc=True, correction="energy")),
             ]
             q46 = quantize_rtn(a, four_over_six=True)
             pk = q46.pack()

@@ -1,7 +1,8 @@
 """Glue between :mod:`quant.linear` and the kernels: operand quantization and saved operands.
 
 :func:`quantize_factor` is the Triton twin of ``quant.linear._quantize``: same operand, same
-quantizer, same draws (a :class:`~quant.randomness.PhiloxStream` the kernel draws from itself,
+quantizer (MS-EDEN's ``eden_correction`` included), same draws (a
+:class:`~quant.randomness.PhiloxStream` the kernel draws from itself,
 or uniforms drawn from the (layer, role) generator), same delayed-amax bookkeeping. Its output values are the BF16
 ``q · s_block`` (the reference's FP32 values, which are exact in BF16) with the FP32 tensor scale,
 or under post hoc range alignment ``(q · s_block) · s_tensor`` with no scale left to apply.
@@ -105,7 +106,7 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
     call = dict(x=x, mode=op.quantizer, x_scales=x_scales, src=kind, transpose=transpose,
                 in_scale=in_scale, signs=signs, four_over_six=op.four_over_six,
                 posthoc=op.posthoc, uniforms=uniforms, seed=seed, stream=stream, prev_amax=prev,
-                amax=amax, values=True, pack=pack)
+                amax=amax, values=True, pack=pack, eden_correction=op.eden_correction)
     values, codes, scales, st, current = (ops.quantize_operand(**call) if compiling
                                           else ops.quantize(ops.QuantizeCall(**call)))
     if delayed is not None:

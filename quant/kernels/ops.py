@@ -370,12 +370,13 @@ class QuantPlan:
 @functools.lru_cache(maxsize=4096)
 def plan_quantize(M: int, Kd: int, src: int, cols: bool, rot: int, mode: str,
                   four_over_six: bool, rand: int, has_scale: bool, values: bool, pack: bool,
-                  posthoc: bool, tuning: KernelTuning) -> QuantPlan:
+                  posthoc: bool, tuning: KernelTuning, energy: bool = False) -> QuantPlan:
     """The :class:`QuantPlan` of an ``M × Kd`` logical operand of source kind ``src``, read
     across memory rows (``cols``) or along them, rotated in chunks of ``rot`` (0: none), under
     the quantizer ``mode`` (``four_over_six``; draws explicit ``rand=0`` or Philox ``1``; an
     FP32 input scale ``has_scale``), writing the BF16 values, the packed form, with post hoc
-    range alignment, under ``tuning``."""
+    range alignment, under ``tuning``; ``energy``: MS-EDEN's energy-weighted step 4
+    (``quant_kernel``'s ENERGY)."""
     groups = whole_groups(mode, rot, four_over_six)
     tile2d = mode == "rtn_2d"
     meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups, mode), rot, tuning, tile2d)
@@ -385,7 +386,7 @@ def plan_quantize(M: int, Kd: int, src: int, cols: bool, rot: int, mode: str,
         T_TENSOR=t_tensor, T_BLOCK=t_block, SRC=src, COLS=cols, HAS_SCALE=has_scale, ROT=rot,
         INV_SQRT=_inv_sqrt(rot) if rot else 1.0, MODE=MODES[mode], FOUR_SIX=four_over_six,
         TILE2D=tile2d, RAND=rand, WRITE_VALUES=values, PACK=pack, POSTHOC=posthoc,
-        EVEN=_whole_tiles(M, Kd, meta["BM"], bk), GROUPS=groups, TILES=tiles,
+        ENERGY=energy, EVEN=_whole_tiles(M, Kd, meta["BM"], bk), GROUPS=groups, TILES=tiles,
         PREFETCH=_prefetches(src, cols, groups, tiles, mode, four_over_six),
         SHARED_U=_shares_draws(tiles, bk, mode, rand, Kd), **meta)
     n_prog = math.prod(grid)
@@ -411,7 +412,8 @@ class QuantizeCall:
     as ``xᵀ`` with ``transpose``, times ``in_scale``, rotated by ``signs``), the quantizer
     (``mode``, ``four_over_six``, ``posthoc``), its draws (``uniforms``, or ``seed`` and
     ``stream``), the amax (``prev_amax`` delayed, ``amax`` known) and the outputs wanted
-    (``values``, ``pack``)."""
+    (``values``, ``pack``); ``eden_correction``: MS-EDEN's step 4, ``"chunk_scaled"`` (SPEC
+    §2) or ``"energy"`` (``quant.quantizers.quantize_ms_eden``'s ``correction``)."""
 
     x: Tensor
     mode: str
@@ -429,6 +431,7 @@ class QuantizeCall:
     amax: Optional[Tensor] = None
     values: bool = True
     pack: bool = True
+    eden_correction: str = "chunk_scaled"
 
 
 def quantize(call: QuantizeCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -447,6 +450,10 @@ def quantize(call: QuantizeCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor
     prev_amax, amax, in_scale = call.prev_amax, call.amax, call.in_scale
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
+    energy = call.eden_correction == "energy"
+    if call.eden_correction not in ("chunk_scaled", "energy") or (energy and mode != "ms_eden"):
+        raise ValueError(f"eden_correction is MS-EDEN's step 4, chunk_scaled or energy: got "
+                         f"{call.eden_correction!r} for {mode}")
     dev = x.device
     if posthoc:  # the first pass sends max(c) to the align pass
         amax = torch.zeros(1, dtype=torch.float32, device=dev)
@@ -479,7 +486,7 @@ def quantize(call: QuantizeCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor
     if M and Kd:
         plan = plan_quantize(M, Kd, src, cols, rot, mode, four_over_six,
                              0 if uniforms is not None else 1, in_scale is not None, call.values,
-                             call.pack, posthoc, tuning)
+                             call.pack, posthoc, tuning, energy)
         dummy = st  # the pointer of an absent operand (never read)
         _launch_quantize(plan, dict(
             x_ptr=x, xs_ptr=x_scales if x_scales is not None else x,
@@ -562,20 +569,21 @@ def quantize_operand(
     x: Tensor, x_scales: Optional[Tensor], src: int, transpose: bool, in_scale: Optional[Tensor],
     signs: Optional[Tensor], prev_amax: Optional[Tensor], uniforms: Optional[Tensor],
     seed: Optional[Tensor], stream: int, mode: str, four_over_six: bool, values: bool, pack: bool,
-    posthoc: bool = False, amax: Optional[Tensor] = None,
+    posthoc: bool = False, amax: Optional[Tensor] = None, eden_correction: str = "chunk_scaled",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Any quantizer on any operand: dense (``src=0``, ``x`` float, times ``in_scale``) or packed
     NVFP4 (``src=1`` 1×16 / ``2`` 16×16: ``x`` uint8 codes, ``x_scales`` uint8 E4M3 bits,
     ``in_scale`` its tensor scale), optionally rotated by ``signs``. ``amax``: the operand's
     ``max |A|`` when the caller has it (then no amax pass runs; under ``torch.compile`` inductor
-    computes it, fused with the kernel that produced ``x``). Returns
+    computes it, fused with the kernel that produced ``x``). ``eden_correction``: MS-EDEN's
+    step 4, ``"chunk_scaled"`` or ``"energy"`` (:class:`QuantizeCall`). Returns
     ``(values, codes, scales, tensor_scale, amax)`` (see the module docstring)."""
     return quantize(QuantizeCall(**locals()))  # the op's parameters are QuantizeCall's fields
 
 
 @_fake(quantize_operand)
 def _(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, stream, mode,
-      four_over_six, values, pack, posthoc=False, amax=None):
+      four_over_six, values, pack, posthoc=False, amax=None, eden_correction="chunk_scaled"):
     return quantize_fake(QuantizeCall(**locals()))
 
 
@@ -632,20 +640,23 @@ def _(x, transpose=False, uniforms=None, seed=None, four_over_six=False, amax=No
 def rht_ms_eden(x: Tensor, signs: Tensor, transpose: bool = False,
                 uniforms: Optional[Tensor] = None, seed: Optional[Tensor] = None,
                 amax: Optional[Tensor] = None, pack: bool = False, stream: int = 0,
-                posthoc: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                posthoc: bool = False, eden_correction: str = "chunk_scaled"
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Randomized Hadamard transform (chunks of ``len(signs)``) fused with MS-EDEN; ``posthoc``:
-    with post hoc range alignment (no amax pass; ``amax`` then returns ``max(c)``)."""
+    with post hoc range alignment (no amax pass; ``amax`` then returns ``max(c)``);
+    ``eden_correction``: step 4's S, ``"chunk_scaled"`` (SPEC §2) or ``"energy"`` (groups
+    weighted by their block scale squared, docs/spec.md §5)."""
     return quantize(QuantizeCall(
         x, "ms_eden", transpose=transpose, signs=signs, posthoc=posthoc, uniforms=uniforms,
-        seed=seed, stream=stream, prev_amax=amax, pack=pack))
+        seed=seed, stream=stream, prev_amax=amax, pack=pack, eden_correction=eden_correction))
 
 
 @_fake(rht_ms_eden)
 def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False, stream=0,
-      posthoc=False):
+      posthoc=False, eden_correction="chunk_scaled"):
     return quantize_fake(QuantizeCall(
         x, "ms_eden", transpose=transpose, signs=signs, posthoc=posthoc, uniforms=uniforms,
-        seed=seed, stream=stream, prev_amax=amax, pack=pack))
+        seed=seed, stream=stream, prev_amax=amax, pack=pack, eden_correction=eden_correction))
 
 
 @_op
@@ -760,18 +771,25 @@ def _(seed, h, stream=0):
     return seed.new_empty((h,), dtype=torch.int8)
 
 
-def scale_product(y: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor],
-                  out_dtype: torch.dtype) -> Tensor:
-    """``(y.float() · (scale_a · scale_b)).to(y.dtype).to(out_dtype)`` in one pass: the tensor
-    scales of an emulated NVFP4 GEMM applied to its product ``y`` (FP32 0-dim scales, None = 1)."""
-    y = y.contiguous()
-    out = torch.empty(y.shape, dtype=out_dtype, device=y.device)
-    n = y.numel()
+_ROUND_TO = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def scale_product(acc: Tensor, scale_a: Optional[Tensor], scale_b: Optional[Tensor],
+                  dtype: torch.dtype, out_dtype: torch.dtype) -> Tensor:
+    """``(acc · (scale_a · scale_b)).to(dtype).to(out_dtype)`` in one pass: the epilogue of an
+    emulated NVFP4 GEMM (``quant.linear._product``) on its FP32 accumulator ``acc``, with FP32
+    0-dim tensor scales (None = 1), rounded once to ``dtype`` (float32, bfloat16 or float16)."""
+    if dtype not in _ROUND_TO:
+        raise ValueError(f"scale_product rounds to one of {tuple(_ROUND_TO)}, got {dtype}")
+    acc = acc.contiguous()
+    out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
+    n = acc.numel()
     if n:
         block = 65536 if _INTERPRET else 2048
-        dummy = scale_a if scale_a is not None else scale_b if scale_b is not None else y
+        dummy = scale_a if scale_a is not None else scale_b if scale_b is not None else acc
         _launch(K.scale_kernel, (_cdiv(n, block),), dict(
-            y_ptr=y, sa_ptr=scale_a if scale_a is not None else dummy,
+            y_ptr=acc, sa_ptr=scale_a if scale_a is not None else dummy,
             sb_ptr=scale_b if scale_b is not None else dummy, out_ptr=out, N=n),
-            HAS_A=scale_a is not None, HAS_B=scale_b is not None, BLOCK=block, num_warps=4)
+            HAS_A=scale_a is not None, HAS_B=scale_b is not None, ROUND=_ROUND_TO[dtype],
+            BLOCK=block, num_warps=4)
     return out

@@ -382,14 +382,40 @@ def _fwht(x, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.cons
 
 
 @triton.jit
-def _chunk_sum(v, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
+def _chunk_sum(v, w, WEIGHTED: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr,
+               LOG_R: tl.constexpr):
     """``chunk_sum`` over each chunk ``[R, 16]`` of a ``[BM, CH, R, 16]`` tile: each 16-group
-    by ``tree_sum`` (within a thread), then the R group sums by ``tree_sum``. Returns
-    ``[BM, CH, 1]``, to broadcast over the chunk's groups."""
+    by ``tree_sum`` (within a thread), then the R group sums by ``tree_sum``; WEIGHTED:
+    ``chunk_sum(v, w)``, ``Σ_g w_g Σ_i v_gi``, each group sum times its weight ``w``
+    ``[BM, CH, R]`` before the second tree. Returns ``[BM, CH, 1]``, to broadcast over the
+    chunk's groups."""
     v = tl.reshape(_tree_sum_last(tl.reshape(v, (BM * CH, R, 16)), BM * CH, R, 16, 4), (BM, CH, R))
+    if WEIGHTED:
+        v = v * w
     for s in tl.static_range(LOG_R):
         v = _halve_sum(v, 2, (BM, CH, 2, R >> (s + 1)))
     return v
+
+
+@triton.jit
+def _energy_weights(s):
+    """``quant.quantizers._energy_weights`` of the block scales ``s`` ``[BM, CH, R]`` (CH
+    rotation chunks of R groups): ``w_g = (s_g / 2^E)²`` with ``2^E`` the largest power of two
+    not above the chunk's largest scale ``top`` (1 where that is 0).
+
+    The scales are normal floats below 2^126 (E4M3 ones at least 2^-9, post hoc ``s_p`` at
+    least 2^-126), so ``2^E`` is ``top``'s FP32 exponent field, ``top & 0x7F800000``, and its
+    reciprocal ``2^-E`` the normal float of bits ``0x7F000000 − (top & 0x7F800000)`` (biased
+    exponent ``254 − e``): ``s_g · 2^-E`` is then the reference's quotient ``s_g / 2^E``,
+    rounded once, with no division (a ``tl.math.div_rn`` for ``2^-E`` took the tensor-amax rows
+    to 122 registers, against 80 this way and 79 under chunk_scaled: ``scripts/kernel_report.py``,
+    sm_90 offline, triton 3.7). ``s_g / 2^E`` has at most 4 significant bits, so its square is
+    exact unless it falls below FP32's normal range, where both round it alike. Returns
+    ``[BM, CH, R]``."""
+    top = tl.max(s, axis=2, keep_dims=True)
+    inv = (0x7F000000 - (top.to(tl.int32, bitcast=True) & 0x7F800000)).to(tl.float32, bitcast=True)
+    r = s * tl.where(top > 0, inv, 1.0)
+    return r * r
 
 
 @triton.jit
@@ -755,8 +781,9 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                  ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                  MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                  RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
-                 POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
-                 TILES: tl.constexpr, PREFETCH: tl.constexpr, SHARED_U: tl.constexpr,
+                 POSTHOC: tl.constexpr, ENERGY: tl.constexpr, EVEN: tl.constexpr,
+                 GROUPS: tl.constexpr, TILES: tl.constexpr, PREFETCH: tl.constexpr,
+                 SHARED_U: tl.constexpr,
                  BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr):
     """Quantize one tile of ``A`` along K (see the module docstring).
 
@@ -785,6 +812,11 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
     at ``c_ptr + 2·M·K/16`` plus its index in the grid (row-major: the index of its first tile
     over TILES); :func:`eden_align_kernel` then sets the tensor scale, writes the E4M3 scales and
     fixes the values it must.
+
+    ENERGY (MS-EDEN only): step 4's ``S = Σ_g w_g Σ_i x_s,gi² / Σ_g w_g Σ_i x_s,gi q_gi`` with
+    ``w_g = (s_g / 2^E)²`` (``quantize_ms_eden(correction="energy")``, docs/spec.md §5;
+    :func:`_energy_weights`), ``s_g`` the group's block scale (post hoc: ``s_p``); else the
+    chunk-scaled ``S = Σ x_s² / Σ x_s q`` of SPEC §2.
     """
     seed = _load_key(seed_ptr, RAND)
     sgm = _sign_masks(signs_ptr, ROT, BM, CH, R)
@@ -822,8 +854,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
                 x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
                 sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream, pm, pk,
                 T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE, FOUR_SIX, TILE2D,
-                RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R, PREFETCH, lo,
-                hi, SHARED_U, u0)
+                RAND, WRITE_VALUES, PACK, POSTHOC, ENERGY, EVEN, GROUPS, BM, CH, R, LOG_R, PREFETCH,
+                lo, hi, SHARED_U, u0)
             u0, u1, u2, u3 = u1, u2, u3, u0
             pm = pm_next
             pk = pk_next
@@ -836,7 +868,8 @@ def quant_kernel(x_ptr, xs_ptr, scale_ptr, signs_ptr, amax_ptr, u_ptr, seed_ptr,
             x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, code_ptr,
             sc_ptr, st_ptr, c_ptr, M, K, stride_m, stride_k, P_C, stream,
             tl.program_id(0), tl.program_id(1), T_TENSOR, T_BLOCK, SRC, COLS, HAS_SCALE, ROT, INV_SQRT, MODE,
-            FOUR_SIX, TILE2D, RAND, WRITE_VALUES, PACK, POSTHOC, EVEN, GROUPS, BM, CH, R, LOG_R)
+            FOUR_SIX, TILE2D, RAND, WRITE_VALUES, PACK, POSTHOC, ENERGY, EVEN, GROUPS, BM, CH, R,
+            LOG_R)
     if POSTHOC:
         # max(c), and the program's least positive c for the align pass, which fixes only the
         # tiles of programs whose minimum needs it. (Per tile, as scalars: carrying per-group
@@ -856,7 +889,8 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
                 ROT: tl.constexpr, INV_SQRT: tl.constexpr,
                 MODE: tl.constexpr, FOUR_SIX: tl.constexpr, TILE2D: tl.constexpr,
                 RAND: tl.constexpr, WRITE_VALUES: tl.constexpr, PACK: tl.constexpr,
-                POSTHOC: tl.constexpr, EVEN: tl.constexpr, GROUPS: tl.constexpr,
+                POSTHOC: tl.constexpr, ENERGY: tl.constexpr, EVEN: tl.constexpr,
+                GROUPS: tl.constexpr,
                 BM: tl.constexpr, CH: tl.constexpr, R: tl.constexpr, LOG_R: tl.constexpr,
                 PRE: tl.constexpr = False, lo=0, hi=0, U_PRE: tl.constexpr = False, u_pre=0.0):
     """One tile of :func:`quant_kernel`; returns its largest corrected scale, as its bit pattern
@@ -927,9 +961,13 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
     gm, g = _group_index(pid_m, pid_k, BM, CH, R)
     gmask = ((gm < M) & (g < K // 16)) | EVEN
     if MODE == 2:
-        # EDEN correction per rotation chunk (SPEC §2, MS-EDEN steps 4–5).
-        num = _chunk_sum(x_s * x_s, BM, CH, R, LOG_R)
-        den = _chunk_sum(x_s * q, BM, CH, R, LOG_R)
+        # EDEN correction per rotation chunk (SPEC §2, MS-EDEN steps 4–5; ENERGY: S with each
+        # group weighted by its block scale squared, docs/spec.md §5)
+        w = 1.0
+        if ENERGY:
+            w = _energy_weights(s_out)
+        num = _chunk_sum(x_s * x_s, w, ENERGY, BM, CH, R, LOG_R)
+        den = _chunk_sum(x_s * q, w, ENERGY, BM, CH, R, LOG_R)
         S = tl.where(den != 0, tl.math.div_rn(num, tl.where(den != 0, den, 1.0)), 1.0)
         c = s_out * S
         if POSTHOC:
@@ -1137,10 +1175,11 @@ def rand_kernel(seed_ptr, out_ptr, N, G, stream, KIND: tl.constexpr, BLOCK: tl.c
 
 @triton.jit
 def scale_kernel(y_ptr, sa_ptr, sb_ptr, out_ptr, N, HAS_A: tl.constexpr, HAS_B: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """The GEMM epilogue of ``quant.linear._product``: ``out = dtype(y · (s_a · s_b))`` computed
-    in FP32 (a missing tensor scale counts as 1), rounded to ``y``'s dtype, then stored in
-    ``out``'s dtype (the layer's input or parameter dtype), in one pass."""
+                 ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """The GEMM epilogue of ``quant.linear._product``: ``out = dtype(y · (s_a · s_b))`` with the
+    product and the scales in FP32 (a missing tensor scale counts as 1), rounded once to
+    ``dtype`` (ROUND 0: float32, 1: bfloat16, 2: float16), then stored in ``out``'s dtype (the
+    layer's input or parameter dtype), in one pass."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -1149,8 +1188,12 @@ def scale_kernel(y_ptr, sa_ptr, sb_ptr, out_ptr, N, HAS_A: tl.constexpr, HAS_B: 
         s = tl.load(sa_ptr)
     if HAS_B:
         s = s * tl.load(sb_ptr)
-    r = (y * s).to(y_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs, r, mask=mask)
+    r = y * s
+    if ROUND == 1:
+        r = r.to(tl.bfloat16)
+    elif ROUND == 2:
+        r = r.to(tl.float16)
+    tl.store(out_ptr + offs, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
