@@ -44,6 +44,7 @@ from data.prepare import load_manifest, prepare_from_config
 from data.tokenizer import check_vocab
 from model import build_model
 from model.parallel import materialize, parallelize, replays_cuda_graphs
+from quant import backend as quant_backend
 from quant import randomness
 from training import downstream
 from training.baseline import CONFIG_FILE, BaselineError, LiveGap
@@ -225,6 +226,11 @@ def _train_run(cfg: DictConfig, di: DistInfo, run_dir: Path, checkpoints: Checkp
 
         set_tuning(tuning_from_mapping(cfg.kernels))
     quant.quantize_model(model, scheme, skip=skip_patterns(cfg.quant, cfg.model.n_layer))
+    if not scheme.is_identity:  # before any training: NVFP4_BACKEND=native off Blackwell stops here
+        try:
+            notes.append(quant_backend.describe(device))
+        except RuntimeError as err:
+            raise TrainingError(str(err)) from err
     n_params = model.num_params(non_embedding=True)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)
     steps = total_steps(cfg, n_params)

@@ -1,8 +1,11 @@
-"""Backend choice of the quantizers: the pure-PyTorch reference or the fused Triton kernels.
+"""Backend choice: the pure-PyTorch reference, the fused Triton kernels, or native NVFP4 GEMMs.
 
-``auto`` (default) runs the kernels on CUDA tensors and the reference everywhere else;
-``reference`` and ``triton`` force one (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``
-set before :mod:`quant.kernels` is first imported). Set it with :func:`set_backend` or the
+``auto`` (default) runs native NVFP4 GEMMs on a Blackwell GPU (compute capability 10.x or 12.x,
+:mod:`quant.native`: the kernels quantize, the FP4 tensor cores multiply), the kernels with
+emulated GEMMs on any other CUDA GPU, and the reference everywhere else. ``reference``,
+``triton`` and ``native`` force one (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``
+set before :mod:`quant.kernels` is first imported; ``native`` elsewhere than on Blackwell is
+refused with the reason, except under :func:`quant.native.simulated`). Set it with :func:`set_backend` or the
 environment variable ``NVFP4_BACKEND``, read when a backend is chosen (each quantization), not at
 import. :func:`set_auto_families` narrows the kernel families that ``auto`` runs.
 
@@ -25,12 +28,13 @@ from contextlib import contextmanager
 
 import torch
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "native")
 DRAWS = ("philox", "torch")
 
 _backend: str | None = None
 _draws: str | None = None
 _triton_ok: bool | None = None
+_native_ok: dict[int, bool] = {}
 
 
 def _checked(name: str, allowed: tuple[str, ...], what: str) -> str:
@@ -40,7 +44,8 @@ def _checked(name: str, allowed: tuple[str, ...], what: str) -> str:
 
 
 def set_backend(name: str | None) -> None:
-    """``"auto"``, ``"reference"`` or ``"triton"``; ``None`` goes back to ``NVFP4_BACKEND``/auto."""
+    """``"auto"``, ``"reference"``, ``"triton"`` or ``"native"``; ``None`` goes back to
+    ``NVFP4_BACKEND``/auto."""
     global _backend
     _backend = None if name is None else _checked(name, BACKENDS, "quantizer backend")
 
@@ -124,4 +129,42 @@ def use_triton(t: torch.Tensor, family: str | None = None) -> bool:
         return False
     if name == "triton":
         return True
+    if name == "native":  # the kernels quantize on the GPU; a simulated run elsewhere uses the reference
+        return t.is_cuda and triton_available()
     return t.is_cuda and triton_available() and (family is None or family in auto_families())
+
+
+def use_native(t: torch.Tensor) -> bool:
+    """Whether the GEMMs on ``t``'s device run natively in NVFP4 (:mod:`quant.native`):
+    ``native`` (a RuntimeError naming the reason and the fix where it cannot), or ``auto`` on a
+    Blackwell GPU whose torch has the NVFP4 interface."""
+    from . import native
+
+    name = get_backend()
+    if name == "native":
+        reason = native.unavailable_reason(t.device)
+        if reason is not None:
+            raise RuntimeError(
+                f"NVFP4_BACKEND=native cannot run here: {reason}. Fix: NVFP4_BACKEND=auto "
+                "(native on Blackwell, else the Triton kernels with emulated GEMMs on a GPU, "
+                "the reference on CPU) or NVFP4_BACKEND=triton."
+            )
+        return True
+    if name != "auto" or not t.is_cuda or not triton_available():
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _native_ok:
+        _native_ok[index] = native.unavailable_reason(t.device) is None
+    return _native_ok[index]
+
+
+def describe(device: torch.device) -> str:
+    """One line saying how the quantized linears run on ``device`` under the current backend
+    (for a run's first lines). Raises as :func:`use_native` does where ``native`` cannot run."""
+    probe = torch.empty(0, device=device)
+    if use_native(probe):
+        return ("quantization: Triton kernels; GEMMs: native NVFP4 on the FP4 tensor cores "
+                "(checked by simulation, not on this hardware: docs/performance.md)")
+    if use_triton(probe):
+        return "quantization: Triton kernels; GEMMs: emulated in BF16 with FP32 accumulation"
+    return "quantization: reference (pure PyTorch); GEMMs: emulated with FP32 accumulation"

@@ -72,6 +72,14 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
     return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
 
 
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last dim (even length): element ``2i`` in the low
+    nibble of byte ``i``, ``2i+1`` in its high nibble (inverse of :func:`unpack_codes`)."""
+    if codes.shape[-1] % 2:
+        raise ValueError("packing needs an even number of elements along the grouped dim")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Float32 values of 4-bit E2M1 codes (inverse of :func:`encode_e2m1`)."""
     codes = codes.to(torch.int64)
@@ -208,12 +216,8 @@ class NVFP4Tensor:
 
     def pack(self) -> PackedNVFP4:
         """The storage form: two E2M1 codes per byte, E4M3 scales, FP32 tensor scale."""
-        codes = encode_e2m1(self.q)
-        if codes.shape[-1] % 2:
-            raise ValueError("packing needs an even number of elements along the grouped dim")
-        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return PackedNVFP4(
-            data=packed,
+            data=pack_codes(encode_e2m1(self.q)),
             scales=self.block_scale.to(torch.float8_e4m3fn),
             tensor_scale=self.tensor_scale.float().clone(),
             dim=self.dim,
@@ -243,6 +247,24 @@ class PackedNVFP4:
 
     def dequantize(self) -> torch.Tensor:
         return self.unpack().dequantize()
+
+    def transposed(self) -> PackedNVFP4:
+        """The transpose of a 16×16-tile tensor, still packed: the codes move (unpacked to one
+        per byte, transposed, packed again; no value is decoded or re-encoded) and the tile
+        scales transpose, since a 16×16 tile is also a tile of the transpose (SPEC §3, the
+        weight's 16×16 quantization serves the forward and dgrad)."""
+        if self.tile != "16x16":
+            raise ValueError(
+                f"only 16x16-tile tensors transpose as NVFP4 (their 1x16 groups would run across "
+                f"the new rows); this one has tile={self.tile!r}: quantize the transpose instead"
+            )
+        return PackedNVFP4(
+            data=pack_codes(unpack_codes(self.data).t().contiguous()),
+            scales=self.scales.t().contiguous(),
+            tensor_scale=self.tensor_scale,
+            dim=self.dim,
+            tile=self.tile,
+        )
 
     def nbytes(self) -> int:
         """Bytes of storage (codes + scales + tensor scale)."""

@@ -7,12 +7,14 @@ Each GEMM ``A · Bᵀ`` (forward ``X Wᵀ``, dgrad ``E W``, wgrad ``Eᵀ X``; SP
 2. if the GEMM rotates, draw shared random signs and rotate both operands along the reduction
    dimension (SPEC §2, MS-EDEN step 1);
 3. quantize each operand along the reduction dimension with its quantizer;
-4. multiply the exact ``q · s_block`` values in the compute dtype (BF16 under autocast: they are
-   exact there) and apply the product of the two FP32 tensor scales to the result, as NVFP4
-   hardware does in its epilogue. An operand under post hoc range alignment (SPEC §2), whose
-   tensor scale is a power of two, carries it in its values, ``(q · s_block) · s_tensor``:
-   the same product as long as the values stay in BF16's normal range (above 2^-126), and the
-   kernels then write the values in their first pass (``quant.kernels.triton_kernels``).
+4. multiply the exact ``q · s_block`` values (exact in BF16 too) accumulating in FP32, multiply
+   the FP32 sum by the product of the two FP32 tensor scales in FP32, and round once to the
+   compute dtype (:func:`_product`), as the NVFP4 GEMM's epilogue does (``α = s_A · s_B``,
+   ``D = round(α · acc)``; cuBLASLt, and :mod:`quant.scaled_mm_sim`). An operand under post hoc
+   range alignment (SPEC §2), whose tensor scale is a power of two, carries it in its values,
+   ``(q · s_block) · s_tensor``: the same product as long as the values stay in BF16's normal
+   range (above 2^-126), and the kernels then write the values in their first pass
+   (``quant.kernels.triton_kernels``).
 
 Emulation therefore differs from a real NVFP4 GEMM only in accumulation order. Random draws come
 from :mod:`quant.randomness`, keyed by (seed, step, micro-step, layer, role, rank).
@@ -43,10 +45,13 @@ _AMAX_SLOT = {("forward", "a"): 0, ("forward", "b"): 1, ("dgrad", "a"): 2,
 @dataclass
 class _Factor:
     """A GEMM operand as ``values · scale``: ``values`` (rows × reduction) and an FP32 tensor
-    scale, or ``scale=None`` for a plain high-precision tensor."""
+    scale, or ``scale=None`` for a plain high-precision tensor. A saved operand keeps its
+    ``packed`` form (``transposed``: the factor is its transpose), which native GEMMs read."""
 
     values: torch.Tensor
     scale: torch.Tensor | None = None
+    packed: PackedNVFP4 | None = None
+    transposed: bool = False
 
     def dense(self) -> torch.Tensor:
         v = self.values.float()
@@ -54,7 +59,7 @@ class _Factor:
 
     @property
     def T(self) -> _Factor:
-        return _Factor(self.values.t(), self.scale)
+        return _Factor(self.values.t(), self.scale, self.packed, not self.transposed)
 
     @classmethod
     def of(cls, t: NVFP4Tensor) -> _Factor:
@@ -107,10 +112,6 @@ def _quantize(
     family = ("eden" if op.quantizer == "ms_eden" else "rht" if signs is not None
               else "sr" if op.quantizer == "sr" else "rtn")
     if type(src) is not _Factor or backend.use_triton(src.values, family):
-        if op.eden_correction != "chunk_scaled":
-            raise NotImplementedError(
-                f"eden_correction={op.eden_correction} runs on the reference backend only: set "
-                "NVFP4_BACKEND=reference (the Triton kernels implement chunk_scaled)")
         from .kernels.dispatch import quantize_factor
 
         return quantize_factor(src, op, signs, rng, rotation, delayed, slot, pack)
@@ -135,24 +136,41 @@ def _quantize(
     return _Factor.of(q), q
 
 
+def _fp32_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a · bᵀ`` of the operands in ``dtype`` (exact for quantized values), accumulated and
+    returned in FP32. On CUDA, BF16/FP16 operands run on the tensor cores with an FP32 output
+    (``torch.mm(out_dtype=)``); elsewhere, where that has no kernel, they are widened to FP32."""
+    a, b = a.to(dtype), b.to(dtype)
+    if a.is_cuda and dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b.t(), out_dtype=torch.float32)
+    return F.linear(a.float(), b.float())
+
+
 def _product(a: _Factor, b: _Factor, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``(a.values · b.valuesᵀ) · (a.scale · b.scale)``: the product in ``dtype``, times the FP32
-    tensor scales in FP32 and rounded to ``dtype`` (NVFP4 hardware's epilogue), returned in
-    ``out_dtype`` (default ``dtype``). Eager, on the kernel backend, the epilogue and the cast
-    are one pass (``quant.kernels.scale_product``); under ``torch.compile`` they stay torch ops,
-    which inductor fuses into the kernels that consume the product (an RMSNorm, SwiGLU, the
-    residual add), so the product is not read and written once more."""
+    """``(a.values · b.valuesᵀ) · (a.scale · b.scale)`` rounded once to ``dtype``, returned in
+    ``out_dtype`` (default ``dtype``; a wider one holds the rounded value exactly).
+
+    What NVFP4 hardware computes (cuBLASLt's block-scaled GEMM, simulated by
+    :func:`quant.scaled_mm_sim.simulate_scaled_mm`): the products of the exact ``q · s_block``
+    values summed in FP32, ``α = s_A · s_B`` in FP32, ``α · acc`` in FP32, one rounding to the
+    output dtype. This function computes the same, and differs only in the order of the FP32
+    accumulation (cuBLAS's or the CPU's, not the tensor cores' K-blocked order). Without tensor
+    scales (high-precision operands, or post hoc operands whose values carry their scale) the
+    GEMM rounds once itself. Eager, on the kernel backend, the epilogue and the cast are one
+    pass (``quant.kernels.scale_product``); under ``torch.compile`` they stay torch ops, which
+    inductor fuses into the kernels that consume the product (an RMSNorm, SwiGLU, the residual
+    add)."""
     out_dtype = out_dtype or dtype
-    out = F.linear(a.values.to(dtype), b.values.to(dtype))
     if a.scale is None and b.scale is None:
-        return out.to(out_dtype)
-    if backend.use_triton(out) and not torch.compiler.is_compiling():
+        return F.linear(a.values.to(dtype), b.values.to(dtype)).to(out_dtype)
+    acc = _fp32_product(a.values, b.values, dtype)
+    if backend.use_triton(acc) and not torch.compiler.is_compiling():
         from .kernels import ops
 
-        return ops.scale_product(out, a.scale, b.scale, out_dtype)
-    one = torch.ones((), device=out.device)
+        return ops.scale_product(acc, a.scale, b.scale, dtype, out_dtype)
+    one = torch.ones((), device=acc.device)
     scale = (a.scale if a.scale is not None else one) * (b.scale if b.scale is not None else one)
-    return (out.float() * scale).to(dtype).to(out_dtype)
+    return (acc * scale).to(dtype).to(out_dtype)
 
 
 def quantized_gemm(
@@ -186,10 +204,32 @@ def quantized_gemm(
     elif gemm.stochastic:
         rng_a = rng_b = randomness.generator(int(layer[0]), role, device)
         signs = random_signs(gemm.rotation, rng_a, device) if gemm.rotation else None
-    pack = role == "forward"  # the forward's quantized operands are what the layer may save
+    native = backend.use_native(a.values)
+    # The forward's quantized operands are what the layer may save; native GEMMs read all packed.
+    pack = role == "forward" or native
     fa, qa = _quantize(a, gemm.a, signs, rng_a, gemm.rotation, delayed, _AMAX_SLOT[role, "a"], pack)
     fb, qb = _quantize(b, gemm.b, signs, rng_b, gemm.rotation, delayed, _AMAX_SLOT[role, "b"], pack)
+    if native:
+        pa, pb = _native_operand(fa, qa), _native_operand(fb, qb)
+        if pa is not None and pb is not None:
+            from . import native as nvfp4
+
+            return nvfp4.gemm(pa, pb, dtype, out_dtype), qa, qb
     return _product(fa, fb, dtype, out_dtype), qa, qb
+
+
+def _native_operand(f, q) -> PackedNVFP4 | None:
+    """The packed NVFP4 form of a GEMM factor along its last dim, for a native GEMM: the
+    operand just quantized (``q``), or a saved packed operand used as it is (transposed when
+    the factor is its transpose, which 16×16 tiles allow; :meth:`PackedNVFP4.transposed`).
+    None when the factor is not NVFP4 (high precision, or a 1×16 tensor read across its
+    groups): the GEMM then runs emulated."""
+    if q is not None:
+        return q.pack()
+    packed = getattr(f, "packed", None)
+    if packed is None or not getattr(f, "transposed", False):
+        return packed
+    return packed.transposed() if packed.tile == "16x16" else None
 
 
 def _saved_factor(p: PackedNVFP4) -> _Factor:
@@ -199,7 +239,8 @@ def _saved_factor(p: PackedNVFP4) -> _Factor:
         from .kernels.dispatch import saved_factor
 
         return saved_factor(p)
-    return _Factor.of(p.unpack())
+    t = p.unpack()
+    return _Factor(t.scaled_values(), t.tensor_scale, packed=p)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

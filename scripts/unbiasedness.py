@@ -273,9 +273,15 @@ def operand_estimators(x: torch.Tensor, seed: int) -> dict[str, tuple[torch.Tens
     and ``ms_eden (post hoc)`` (steps 2–6 on the rotated tensor, against the rotated tensor),
     ``rtn, fresh rotation`` (RTN of the rotated tensor, rotated back, against ``x``); ``ms_eden
     energy`` and its post hoc form use the energy-weighted correction
-    (:func:`~quant.quantizers.quantize_ms_eden`, ``correction="energy"``)."""
+    (:func:`~quant.quantizers.quantize_ms_eden`, ``correction="energy"``).
+
+    GEMM level, ``gemm ms_eden (post hoc)`` and ``gemm ms_eden energy (post hoc)``: quartet2's
+    backward GEMM ``X Yᵀ`` as training runs it, both operands rotated by the same signs, fresh
+    each draw (they cancel in the product), then quantized by post hoc MS-EDEN, against the
+    exact ``X Yᵀ``; ``Y`` is a second Gaussian of the same shape (from ``seed + 1``)."""
     fixed = random_signs(OPERAND_ROTATION, torch.Generator().manual_seed(seed), "cpu")
     x_rot = rotate(x, fixed)
+    y = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1))
     groups = (*x.shape[:-1], x.shape[-1] // 16)
 
     def gen(i: int) -> torch.Generator:
@@ -284,6 +290,16 @@ def operand_estimators(x: torch.Tensor, seed: int) -> dict[str, tuple[torch.Tens
     def eden(posthoc: bool, correction: str):
         return lambda i: quantize_ms_eden(x_rot, torch.rand(groups, generator=gen(i)), chunk=OPERAND_ROTATION,
                                           posthoc=posthoc, correction=correction).dequantize()
+
+    def gemm(correction: str):
+        def draw(i: int) -> torch.Tensor:
+            g = gen(i)
+            signs = random_signs(OPERAND_ROTATION, g, "cpu")
+            xq, yq = (quantize_ms_eden(rotate(t, signs), torch.rand(groups, generator=g), chunk=OPERAND_ROTATION,
+                                       posthoc=True, correction=correction).dequantize()
+                      for t in (x, y))
+            return xq.double() @ yq.double().T
+        return draw
 
     def rtn_fresh(i: int) -> torch.Tensor:
         signs = random_signs(OPERAND_ROTATION, gen(i), "cpu")
@@ -298,6 +314,8 @@ def operand_estimators(x: torch.Tensor, seed: int) -> dict[str, tuple[torch.Tens
         "ms_eden energy": (x_rot, eden(False, "energy")),
         "ms_eden energy (post hoc)": (x_rot, eden(True, "energy")),
         "rtn, fresh rotation": (x, rtn_fresh),
+        "gemm ms_eden (post hoc)": (x.double() @ y.double().T, gemm("chunk_scaled")),
+        "gemm ms_eden energy (post hoc)": (x.double() @ y.double().T, gemm("energy")),
     }
 
 
@@ -411,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--operands", type=int, metavar="DRAWS",
                    help="instead of the layer study: the direct bias test of the operand quantizers on a "
                         "fixed 256×1024 Gaussian, with DRAWS draws each (OUT_DIR/operand_bias.md and .json)")
+    p.add_argument("--estimators", nargs="+", metavar="NAME",
+                   help="with --operands: only these estimators (default: all; an unknown name lists them)")
     a = p.parse_args(argv)
     if a.operands is not None:
         return _operands_main(a)
@@ -448,7 +468,11 @@ def _operands_main(a: argparse.Namespace) -> int:
     if a.operands < 2:
         print(f"error: --operands needs at least 2 draws, got {a.operands}", file=sys.stderr)
         return 1
-    stats = operand_study(a.operands, a.seed)
+    try:
+        stats = operand_study(a.operands, a.seed, a.estimators)
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     text = operand_markdown(stats, a.seed)
     print(text)
     a.out_dir.mkdir(parents=True, exist_ok=True)

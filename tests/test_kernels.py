@@ -41,7 +41,7 @@ else:
 import quant  # noqa: E402
 from quant import backend, randomness  # noqa: E402
 from quant.format import PackedNVFP4  # noqa: E402
-from quant.hadamard import random_signs, rotate  # noqa: E402
+from quant.hadamard import random_signs, rotate, unrotate  # noqa: E402
 from quant.quantizers import (  # noqa: E402
     quantize_ms_eden,
     quantize_rtn,
@@ -257,6 +257,57 @@ def test_rht_ms_eden(shape, transpose, seeded, posthoc):
         assert out[4].cpu() == xr.abs().amax()
 
 
+@pytest.mark.parametrize("shape,h,transpose,seeded", [((48, 160), 32, False, False),
+                                                      ((128, 256), 128, False, False),
+                                                      ((48, 256), 64, True, True)], ids=str)
+@pytest.mark.parametrize("posthoc", [False, True])
+def test_rht_ms_eden_energy(shape, h, transpose, seeded, posthoc):
+    """MS-EDEN with ``eden_correction="energy"`` (step 4's S with each group weighted by its
+    block scale squared, normalised by the chunk's power-of-two top scale) gives the reference's
+    bits, with the tensor amax pass or post hoc alignment, explicit or Philox draws: masked
+    tiles (48×160, chunks of 32; 48 rows of columns, chunks of 64) and a whole one (128×256,
+    chunks of 128). The operand is ``unrotate`` of one whose 16-groups span 2^-6 … 2^6, so that
+    the groups of each rotated chunk have very different block scales and the weights matter
+    (the result differs from chunk_scaled's), and one rotated chunk is all zero."""
+    g = torch.Generator().manual_seed(8)
+    y = torch.randn(shape, generator=g)
+    e = torch.randint(-6, 7, (shape[0], shape[1] // 16, 1), generator=g)
+    y = (y.reshape(shape[0], -1, 16) * torch.exp2(e)).reshape(shape)
+    y[1, :h] = 0.0
+    signs = random_signs(h, g, "cpu")
+    a = unrotate(y, signs)
+    x = a.t().contiguous() if transpose else a
+    if seeded:
+        seed = torch.tensor([24681357], dtype=torch.int64, device=DEV)
+        u = K.philox_uniforms(seed, a.numel() // 16, "ms_eden", 1, a.shape[1] // 16).cpu()
+        u = u.reshape(a.shape[0], -1)
+        draws = dict(seed=seed, stream=1)
+    else:
+        u = torch.rand(a.shape[0], a.shape[1] // 16, generator=g)
+        draws = dict(uniforms=u.to(DEV))
+    xr = rotate(a, signs)
+    assert (xr[1, :h] == 0).all()
+    ref = quantize_ms_eden(xr, u, chunk=h, posthoc=posthoc, correction="energy")
+    scaled = quantize_ms_eden(xr, u, chunk=h, posthoc=posthoc)
+    assert not torch.equal(ref.dequantize(), scaled.dequantize())
+    out = K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, pack=True, posthoc=posthoc,
+                        eden_correction="energy", **draws)
+    _check(out, ref, posthoc=posthoc)
+
+
+def test_eden_correction_is_checked():
+    """``eden_correction`` is MS-EDEN's: an unknown one, or energy on another quantizer, is an
+    error before any launch."""
+    x = torch.zeros(16, 128, device=DEV)
+    signs = random_signs(128, torch.Generator().manual_seed(1), "cpu").to(DEV)
+    u = torch.zeros(16, 8, device=DEV)
+    with pytest.raises(ValueError, match="'energetic' for ms_eden"):
+        K.rht_ms_eden(x, signs, uniforms=u, eden_correction="energetic")
+    with pytest.raises(ValueError, match="'energy' for rtn"):
+        K.quantize_operand(x, None, kops.SRC_DENSE, False, None, None, None, None, None, 0, "rtn",
+                           False, True, True, eden_correction="energy")
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("pack", [False, True])
 def test_posthoc_small_groups(transpose, pack):
@@ -283,7 +334,8 @@ def test_extreme_magnitudes(posthoc):
     scaled first) gives the reference's IEEE quotients bit for bit at the edges of the range: in
     one tensor, groups from 2^-133 (BF16's smallest subnormal) to 2^100, a group of subnormals
     and one mixing a normal element with subnormals; and a whole tensor around 2^-128, whose
-    block scales are FP32 subnormals."""
+    block scales are FP32 subnormals. MS-EDEN under both corrections (``energy``: its weights
+    ``(s_g / 2^E)²`` from these scales, post hoc down to ``s_p = 2^-126``)."""
     g = torch.Generator().manual_seed(50)
     x = torch.randn(32, 256, generator=g)
     e = torch.linspace(-133, 100, 32 * 16).round().reshape(32, 16, 1)
@@ -300,11 +352,12 @@ def test_extreme_magnitudes(posthoc):
             _check(K.rtn(xb.to(DEV), False, four_six), quantize_rtn(xb, four_over_six=four_six))
             _check(K.sr(xb.to(DEV), False, u.to(DEV), None, four_six),
                    quantize_sr(xb, u, four_over_six=four_six))
-        ref = quantize_ms_eden(rotate(xb, signs), ug, chunk=128, posthoc=posthoc)
-        for pack in (True, False):  # post hoc, the align pass also fixes values without pack
-            out = K.rht_ms_eden(xb.to(DEV), signs.to(DEV), False, ug.to(DEV), None, None, pack,
-                                posthoc=posthoc)
-            _check(out, ref, packed=pack, posthoc=posthoc)
+        for correction in ("chunk_scaled", "energy"):
+            ref = quantize_ms_eden(rotate(xb, signs), ug, chunk=128, posthoc=posthoc, correction=correction)
+            for pack in (True, False):  # post hoc, the align pass also fixes values without pack
+                out = K.rht_ms_eden(xb.to(DEV), signs.to(DEV), False, ug.to(DEV), None, None, pack,
+                                    posthoc=posthoc, eden_correction=correction)
+                _check(out, ref, packed=pack, posthoc=posthoc)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -507,19 +560,19 @@ def test_delayed_amax_and_scaled_input():
 
 @pytest.mark.parametrize("has_a,has_b", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                    (torch.float32, torch.float32)])
+                                    (torch.float32, torch.float32), (torch.float16, torch.float32)])
 def test_scale_product(has_a, has_b, dtypes):
-    """The GEMM epilogue kernel equals the reference's ``(y.float() · s_a s_b).to(dtype)``, then
-    the cast to the output dtype, for a ragged element count."""
+    """The GEMM epilogue kernel equals the reference's ``(acc · s_a s_b).to(dtype)`` on an FP32
+    accumulator, then the cast to the output dtype, for a ragged element count."""
     dtype, out_dtype = dtypes
     g = torch.Generator().manual_seed(50)
-    y = (torch.randn(37, 129, generator=g) * 1e3).to(dtype)
+    acc = torch.randn(37, 129, generator=g) * 1e3
     sa = torch.tensor(1.2345678e-3) if has_a else None
     sb = torch.tensor(7.654321e-2) if has_b else None
     scale = (sa if has_a else torch.ones(())) * (sb if has_b else torch.ones(()))
-    ref = (y.float() * scale).to(dtype).to(out_dtype)
-    out = K.scale_product(y.to(DEV), None if sa is None else sa.to(DEV),
-                          None if sb is None else sb.to(DEV), out_dtype).cpu()
+    ref = (acc * scale).to(dtype).to(out_dtype)
+    out = K.scale_product(acc.to(DEV), None if sa is None else sa.to(DEV),
+                          None if sb is None else sb.to(DEV), dtype, out_dtype).cpu()
     assert out.dtype == out_dtype and torch.equal(_bits(out), _bits(ref))
 
 
@@ -563,6 +616,12 @@ def _non_finite_cases(x):
     yield "rht rtn", K.rht_rtn(d, sd, False, None, True), quantize_rtn(xr), xr.abs().amax(), False
     yield ("ms_eden", K.rht_ms_eden(d, sd, False, ug.to(DEV), None, None, True),
            quantize_ms_eden(xr, ug), xr.abs().amax(), False)
+    for posthoc in (False, True):
+        yield (f"ms_eden energy posthoc={posthoc}",
+               K.rht_ms_eden(d, sd, False, ug.to(DEV), None, None, True, posthoc=posthoc,
+                             eden_correction="energy"),
+               quantize_ms_eden(xr, ug, posthoc=posthoc, correction="energy"),
+               None if posthoc else xr.abs().amax(), posthoc)
     for pack in (True, False):
         yield (f"ms_eden posthoc pack={pack}",
                K.rht_ms_eden(d, sd, False, ug.to(DEV), None, None, pack, posthoc=True),
@@ -582,7 +641,8 @@ def _non_finite_cases(x):
 def test_non_finite_inputs(bad):
     """One NaN or inf in the operand (the non-finite rule of ``quant.quantizers``): every kernel
     quantizer, on rows, columns and packed sources, with and without post hoc alignment or a
-    delayed amax, dequantizes to NaN in every element with a NaN tensor scale, as the reference;
+    delayed amax, MS-EDEN under both corrections (a chunk holding the NaN or inf has a NaN S
+    under either), dequantizes to NaN in every element with a NaN tensor scale, as the reference;
     the amax output is the reference's (NaN, or inf unrotated). (The codes and block scales of
     such a tensor are unspecified.)"""
     x = _data((128, 256), seed=71)
@@ -645,6 +705,10 @@ def test_fake_tensor_support():
         signs = torch.empty(128, device=DEV)
         v, *_ = K.rht_ms_eden(x, signs, False, None, torch.empty(1, dtype=torch.int64, device=DEV))
         assert v.shape == (64, 256) and v.dtype == torch.bfloat16
+        v, c, s, *_ = K.quantize_operand(x, None, kops.SRC_DENSE, True, None, signs, None, None,
+                                         torch.empty(1, dtype=torch.int64, device=DEV), 0, "ms_eden",
+                                         False, True, True, True, eden_correction="energy")
+        assert v.shape == (256, 64) and c.shape == (256, 32) and s.shape == (256, 4)
 
 
 def test_backend_choice(monkeypatch):
@@ -683,7 +747,7 @@ def _run_linear(scheme, x, w, dy, autocast, layer=2):
 SCHEME_CASES = [("nvidia", {}), ("four_over_six", {}), ("tetrajet_v2", {}), ("quartet2", {}),
                 ("quartet2", {"range_alignment": "amax"}),
                 ("quartet2", {"delayed_amax": True}), ("tetrajet_v2", {"sr_four_over_six": True}),
-                ("quartet2", {"forward": False})]
+                ("quartet2", {"forward": False}), ("quartet2", {"eden_correction": "energy"})]
 
 
 @pytest.mark.parametrize("name,kw", SCHEME_CASES)
@@ -838,9 +902,11 @@ def test_gpu_large_shapes_eden(transpose):
     signs = random_signs(128, torch.Generator().manual_seed(31), "cpu")
     u = torch.rand(a.shape[0], a.shape[1] // 16, generator=torch.Generator().manual_seed(32))
     for posthoc in (False, True):
-        _check(K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True,
-                             posthoc=posthoc),
-               quantize_ms_eden(rotate(a, signs), u, chunk=128, posthoc=posthoc), posthoc=posthoc)
+        for correction in ("chunk_scaled", "energy"):
+            _check(K.rht_ms_eden(x.to(DEV), signs.to(DEV), transpose, u.to(DEV), None, None, True,
+                                 posthoc=posthoc, eden_correction=correction),
+                   quantize_ms_eden(rotate(a, signs), u, chunk=128, posthoc=posthoc, correction=correction),
+                   posthoc=posthoc)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
@@ -965,15 +1031,32 @@ def test_compiled_blocks_keep_the_autocast_dtype():
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
+    aten = torch.ops.aten
+    passthrough = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default,
+                   aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
+                   aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+    def operand_dtypes(node):
+        """The dtypes an operand has on its way into the GEMM through views and casts (a GEMM
+        with tensor scales widens its BF16 operands to FP32 where ``torch.mm(out_dtype=)`` has no
+        kernel, i.e. on CPU)."""
+        seen = set()
+        while True:
+            seen.add(node.meta["val"].dtype)
+            if node.op != "call_function" or node.target not in passthrough:
+                return seen
+            node = node.args[0]
+
     model, tokens = _tiny_quartet2(1, compile=False)
     model.blocks[0] = torch.compile(model.blocks[0], backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
                                     fullgraph=True)
     torch._dynamo.reset()
     _train_step(model, tokens)
-    mm = [n.meta["val"].dtype for g in graphs for n in g.graph.nodes
-          if n.op == "call_function" and n.target is torch.ops.aten.mm.default]
+    mm = [n for g in graphs for n in g.graph.nodes
+          if n.op == "call_function" and n.target in (aten.mm.default, aten.mm.dtype)]
     assert len(graphs) == 2 and len(mm) == 12, (len(graphs), len(mm))  # 4 GEMMs forward, 8 backward
-    assert set(mm) == {torch.bfloat16}, mm
+    in_dtype = [torch.bfloat16 in operand_dtypes(arg) for n in mm for arg in n.args[:2]]
+    assert all(in_dtype), [(n.name, [operand_dtypes(a) for a in n.args[:2]]) for n in mm]
 
 
 def test_compiled_backward_reads_one_e():

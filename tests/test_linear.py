@@ -110,6 +110,61 @@ def test_forward_equals_product_of_dequantized_operands(name):
     assert torch.allclose(y, xh @ wh.t(), rtol=1e-5, atol=1e-5)
 
 
+def _one_scale_per_row(rows: int, k: int, seed: int, same_amax: bool = False) -> torch.Tensor:
+    """Rows whose 16-groups all have the same amax (element 0 of each group is ± the row's amax;
+    with ``same_amax`` one amax for the whole tensor): one block scale per row (per tensor), so
+    every FP32 sum of quantized products below is exact in any order (≤ 23 significant bits:
+    ≤ 8 from the two E4M3 scales, ≤ 15 from Σ_k q_a q_b ∈ ¼ℤ, |Σ| ≤ 36·k)."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.exp(torch.randn(1 if same_amax else rows, 1, generator=g) * 2).expand(rows, 1)
+    x = (torch.rand(rows, k, generator=g) * 2 - 1) * amax
+    sign = torch.where(torch.rand(rows, k // 16, generator=g) < 0.5, -1.0, 1.0)
+    x.view(rows, k // 16, 16)[..., 0] = sign * amax
+    return x
+
+
+def _hardware_epilogue(a64: torch.Tensor, b64: torch.Tensor, alpha: torch.Tensor, dtype) -> torch.Tensor:
+    """The FP64 reference of the NVFP4 GEMM: the exact product of the quantized values, the FP32
+    ``α · acc`` of the epilogue (exact in FP64, then rounded to FP32), one rounding to ``dtype``."""
+    return ((a64 @ b64.T) * alpha.double()).float().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b_scaled", [True, False])
+def test_emulated_gemm_rounds_once_after_the_tensor_scales(dtype, b_scaled):
+    """``_product`` applies the FP32 tensor scales before its one rounding, as the hardware
+    epilogue does: equal, bit for bit, to an FP64 reference of the same quantized operands
+    (``b_scaled=False``: B's values carry a power-of-two scale, as post hoc operands do). Rounding
+    the unscaled product first, then scaling, differs in a good share of the outputs."""
+    from quant.linear import _Factor, _product
+    from quant.quantizers import quantize_rtn
+
+    qa = quantize_rtn(_one_scale_per_row(64, 256, 0))
+    qb = quantize_rtn(_one_scale_per_row(96, 256, 1))
+    fa = _Factor.of(qa)
+    fb = _Factor.of(qb) if b_scaled else _Factor(qb.scaled_values() * 2.0 ** -3)
+    alpha = qa.tensor_scale * (qb.tensor_scale if b_scaled else 1.0)  # FP32, as α is formed
+    out = _product(fa, fb, dtype, torch.float32)
+    ref = _hardware_epilogue(fa.values.double(), fb.values.double(), alpha, dtype).float()
+    assert torch.equal(out, ref)
+    twice = ((fa.values.to(dtype) @ fb.values.to(dtype).T).float() * alpha).to(dtype).float()
+    assert (twice != ref).float().mean() > 0.05  # the double rounding this replaces
+
+
+def test_quantized_linear_under_autocast_rounds_once():
+    """The forward of a layer under BF16 autocast (nvidia: RTN 1×16 activations, RTN 16×16
+    weights) equals the FP64 reference of its quantized operands."""
+    from quant.quantizers import quantize_rtn, quantize_rtn_2d
+
+    x, w = _one_scale_per_row(64, 128, 2, same_amax=True), _one_scale_per_row(128, 128, 3, same_amax=True)
+    qx, qw = quantize_rtn(x), quantize_rtn_2d(w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = quantized_linear(x, w, get_scheme("nvidia"))
+    ref = _hardware_epilogue(qx.scaled_values().double(), qw.scaled_values().double(),
+                             qx.tensor_scale * qw.tensor_scale, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
+
+
 # --- saving for backward --------------------------------------------------------------------------
 
 

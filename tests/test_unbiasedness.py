@@ -139,6 +139,19 @@ def test_energy_weighted_ms_eden_is_unbiased_at_operand_level():
     assert abs(err / 9.8e-3 - 1) < 0.02, err
 
 
+def test_gemm_level_bias_of_ms_eden_and_of_its_energy_correction():
+    """quartet2's backward GEMM as training runs it (both operands rotated by the same fresh
+    signs, then post hoc MS-EDEN): step 4 as written is flagged, the energy-weighted S passes.
+    100 draws each measured a shrinkage of 1.10e-3 ± 6.9e-5 (z −15.9) and 4.5e-5 ± 6.2e-5
+    (z −0.7). So 40 draws of the first have se ≈ 1.1e-4 (expected z ≈ −10; the interval below is
+    ±5 se), and 100 draws of the second would flag any shrinkage above 4 se ≈ 2.5e-4."""
+    scaled = ub.operand_study(40, seed=0, names=["gemm ms_eden (post hoc)"])["gemm ms_eden (post hoc)"]
+    assert scaled.biased and scaled.z < -Z_FLAG and 5e-4 < scaled.shrinkage < 1.7e-3, scaled
+    energy = ub.operand_study(100, seed=0, names=["gemm ms_eden energy (post hoc)"])
+    st = energy["gemm ms_eden energy (post hoc)"]
+    assert st.n == 100 and not st.biased and abs(st.shrinkage) < 4 * st.se, st
+
+
 def test_directional_statistic_finds_a_planted_shrinkage():
     """A synthetic estimator 0.999·X + noise: z sees the 1e-3 shrinkage; the unshrunk one passes."""
     g = torch.Generator().manual_seed(3)
