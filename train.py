@@ -65,7 +65,30 @@ def _budget(steps: Any, tokens_per_param: Any) -> str:
     return f"{tokens_per_param}tpp" if tokens_per_param not in (None, "None", "null") else f"{steps}steps"
 
 
+def _scheme_label(quant_cfg: Any) -> str:
+    """The quant config's scheme name, then ``+key=value`` for each ablation switch
+    (:data:`quant.ABLATIONS`) that changes the scheme on its own: two ablations of one scheme get
+    two run names, and a switch set to what the scheme already does (``four_over_six=true`` on
+    quartet2) changes nothing."""
+    name = str(quant_cfg["name"])
+    if name not in quant.SCHEMES:
+        return name  # the trainer refuses it, naming the schemes
+    label, plain = name, quant.get_scheme(name)
+    for key, default in quant.ABLATIONS.items():
+        value = quant_cfg.get(key, default)
+        if value == default:
+            continue
+        try:
+            changes = quant.get_scheme(name, **{key: value}) != plain
+        except ValueError:  # valid only with other switches: it changes the scheme
+            changes = True
+        if changes:
+            label += f"+{key}={value}"  # analysis.runs.RUN_NAME reads it back as the report's label
+    return label
+
+
 OmegaConf.register_new_resolver("budget", _budget, replace=True)
+OmegaConf.register_new_resolver("scheme_label", _scheme_label, replace=True)
 
 
 class TrainingError(RuntimeError):

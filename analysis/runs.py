@@ -30,7 +30,9 @@ from .errors import CompareError
 from .labels import scheme_label
 from .wandb_folders import is_wandb_run_folder, orphan_note, wandb_run_folders, wandb_run_id
 
-RUN_NAME = re.compile(r"^(?P<model>[^-]+)-(?P<scheme>.+)-(?P<budget>\d+(?:\.\d+)?(?:tpp|steps))-s(?P<seed>\d+)$")
+RUN_NAME = re.compile(r"^(?P<model>[^-]+)-(?P<scheme>[^-+]+)(?P<switches>(?:\+[^-+]+)*)"
+                      r"-(?P<budget>\d+(?:\.\d+)?(?:tpp|steps))-s(?P<seed>\d+)$")
+"""train.yaml's ``run_name``: ``<model>-<scheme>[+<switch>=<value>...]-<budget>-s<seed>``."""
 SKIP_DIRS = {"checkpoints", ".submitit", "wandb", ".hydra", "__pycache__", ".git"}
 
 Budget = tuple[str, int | float]
@@ -154,12 +156,14 @@ def apply_summary(run: Run, summary: dict) -> None:
 
 
 def apply_name(run: Run, name: str) -> None:
-    """``<model>-<scheme>-<budget>-s<seed>`` (train.yaml's run_name) for what is still unknown."""
+    """``<model>-<scheme>[+<switch>=<value>...]-<budget>-s<seed>`` (train.yaml's run_name, whose
+    switches become the report's ``scheme[switch=value,...]`` label) for what is still unknown."""
     m = RUN_NAME.match(name)
     if not m:
         return
     run.model = run.model or m["model"]
-    run.scheme = run.scheme or m["scheme"]
+    switches = m["switches"][1:].split("+") if m["switches"] else []
+    run.scheme = run.scheme or (f"{m['scheme']}[{','.join(switches)}]" if switches else m["scheme"])
     if run.seed is None:
         run.seed = int(m["seed"])
     budget = m["budget"]

@@ -66,6 +66,27 @@ def test_quartet2_on_the_1_9b_model_names_its_run(compose_train):
     assert cfg.run_group == "30m-500steps"
 
 
+def test_ablation_switches_that_change_the_scheme_name_the_run(compose_train):
+    """Two ablations of one scheme get two run directories (a sweep over a switch must not
+    resume one run's checkpoint in the other); a switch set to what the scheme already does, or
+    on bf16, leaves the name as it is. compare_runs reads the switches back as the report label."""
+    from analysis.runs import Run, apply_name
+
+    base = ["quant=quartet2", "model=30m", "train.tokens_per_param=1"]
+    energy = compose_train([*base, "quant.eden_correction=energy", "quant.rotation=64"])
+    assert energy.run_name == "30m-quartet2+rotation=64+eden_correction=energy-1tpp-s0"
+    assert energy.run_group == "30m-1tpp"  # compared within the same group as the plain scheme
+    for same in ("quant.four_over_six=true", "quant.range_alignment=posthoc", "quant.eden_correction=chunk_scaled"):
+        assert compose_train([*base, same]).run_name == "30m-quartet2-1tpp-s0", same
+    assert compose_train(["quant=bf16", "quant.rotation=64"]).run_name == "tiny-bf16-300steps-s0"
+    delayed = compose_train(["quant=nvidia", "quant.delayed_amax=true"])
+    assert delayed.run_name == "tiny-nvidia+delayed_amax=True-300steps-s0"
+    run = Run(name=energy.run_name, source="dir", path="x")
+    apply_name(run, run.name)
+    assert (run.model, run.scheme, run.seed, run.tokens_per_param_cfg) == (
+        "30m", "quartet2[rotation=64,eden_correction=energy]", 0, 1.0)
+
+
 def test_unknown_group_option_fails_at_compose_and_lists_the_options(compose_train):
     with pytest.raises(MissingConfigException) as info:
         compose_train(["quant=quartet3"])
