@@ -13,8 +13,10 @@
 #
 # Environment (defaults in brackets):
 #   RUNS      scheme:seed pairs, in order ["bf16:0 bf16:1 bf16:2 nvidia:0 four_over_six:0
-#             tetrajet_v2:0 quartet2:0 quartet2:1 quartet2:2 nvidia:1 nvidia:2"]
-#   BUDGETS   any of 25tpp (the paper's cell) and epoch (one epoch of the train split) ["25tpp epoch"]
+#             tetrajet_v2:0 quartet2:0 quartet2:1 quartet2:2 nvidia:1 nvidia:2"]; a scheme may carry
+#             ablation switches, quartet2+eden_correction=energy:0 (quant.eden_correction=energy)
+#   BUDGETS   any of 25tpp (the paper's cell), epoch (one epoch of the train split) and
+#             <N>tpp (N tokens per parameter) ["25tpp epoch"]
 #   TOKENIZER a SentencePiece model; empty trains a 32,000-piece BPE on the corpus [empty]
 #   WORK      checkpoints, data cache and logs [/tmp/paper_30m]
 #   STUDY     1: the unbiasedness study on the first bf16 model trained, and compare_runs at the end [1]
@@ -58,14 +60,20 @@ echo "train split: $train_tokens tokens; one epoch: $epoch_steps steps of 262,14
 
 for budget in $BUDGETS; do
     case $budget in
-        25tpp) steps=(train.tokens_per_param=25) ;;
+        *tpp) steps=(train.tokens_per_param="${budget%tpp}") ;;
         epoch) steps=(train.tokens_per_param=null train.steps=$epoch_steps train.eval_every=$((epoch_steps / 10))) ;;
-        *) echo "unknown budget $budget: use 25tpp or epoch" >&2; exit 2 ;;
+        *) echo "unknown budget $budget: use <N>tpp (25tpp is the paper's) or epoch" >&2; exit 2 ;;
     esac
     for run in $RUNS; do
-        scheme=${run%%:*} seed=${run##*:}
-        log=$WORK/log-$scheme-s$seed-$budget.txt
-        args=(experiment=paper_30m "${data[@]}" "${steps[@]}" quant="$scheme" seed="$seed" run_root="$WORK/runs" "$@")
+        label=${run%%:*} seed=${run##*:}
+        scheme=${label%%+*} switches=()
+        IFS=+ read -ra parts <<<"${label#"$scheme"}"
+        for sw in "${parts[@]}"; do
+            if [ -n "$sw" ]; then switches+=(quant."$sw"); fi
+        done
+        log=$WORK/log-$label-s$seed-$budget.txt
+        args=(experiment=paper_30m "${data[@]}" "${steps[@]}" quant="$scheme" "${switches[@]}" seed="$seed"
+              run_root="$WORK/runs" "$@")
         if ! python3 train.py "${args[@]}" >>"$log" 2>&1; then
             tail -30 "$log"
             exit 1
