@@ -17,8 +17,9 @@ that leaves one side in high precision) runs emulated.
 
 This module was written against the documented interfaces and checked by simulation only
 (:mod:`quant.scaled_mm_sim`, which takes exactly the tensors passed here; ``docs/performance.md``,
-"Native NVFP4 GEMMs"). :func:`simulated` runs the same path with the simulator in place of the
-call, on any device.
+"Native NVFP4 GEMMs"). On each GPU, before the first native GEMM, :func:`probe` compares one real
+product with the simulator: where they disagree, ``auto`` keeps the emulated GEMMs.
+:func:`simulated` runs the same path with the simulator in place of the call, on any device.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ GemmCall = Callable[[NativeOperands, int, int, torch.dtype], torch.Tensor]
 
 _simulator: GemmCall | None = None
 _calls: list[tuple[int, int, int]] | None = None
+_probed: dict[int, str | None] = {}
 
 
 def torch_supports_nvfp4() -> bool:
@@ -65,6 +67,33 @@ def unavailable_reason(device: torch.device) -> str | None:
     if not torch_supports_nvfp4():
         return (f"torch {torch.__version__} lacks torch.float4_e2m1fn_x2 or "
                 "torch.nn.functional.scaled_mm with ScalingType.BlockWise1x16")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _probed:
+        _probed[index] = probe(torch.device("cuda", index))
+    return _probed[index]
+
+
+def probe(device: torch.device, call: GemmCall | None = None) -> str | None:
+    """Run one small native GEMM on ``device`` (``call``: default the real one) and compare it
+    with the simulator on the same operands: None when they agree to one BF16 ulp, else why not
+    (the call failed, or its result departs from the documented semantics, e.g. a scale layout
+    this code does not match). A 200×144 by 136×144 product: rows and K both need padding."""
+    from .quantizers import quantize_rtn
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (quantize_rtn(torch.randn(rows, 144, generator=g) * 4).pack() for rows in (200, 136))
+    a, b = (PackedNVFP4(p.data.to(device), p.scales.to(device), p.tensor_scale.to(device)) for p in (a, b))
+    ops = native_operands(a, b)
+    want = simulate_scaled_mm(ops, 200, 136, torch.bfloat16).float()
+    try:
+        got = (call or scaled_mm)(ops, 200, 136, torch.bfloat16).float()
+    except (RuntimeError, TypeError, ValueError) as err:
+        return f"torch's NVFP4 scaled_mm failed on it ({type(err).__name__}: {str(err)[:300]})"
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+    worst = float(((got - want).abs() / ulp).max()) if got.shape == want.shape else float("inf")
+    if not worst <= 1.0:
+        return (f"torch's NVFP4 scaled_mm departs from the documented semantics on it by {worst:.3g} "
+                "BF16 ulps on a test product (python -m scripts.check_native shows where)")
     return None
 
 

@@ -107,13 +107,47 @@ def test_auto_picks_native_only_on_blackwell(monkeypatch):
     reason = native.unavailable_reason(cuda)
     assert "9.0" in reason and "10.x or 12.x" in reason
     monkeypatch.setattr(native, "torch_supports_nvfp4", lambda: True)
+    monkeypatch.setattr(native, "probe", lambda device, call=None: None)
+    monkeypatch.setattr(native, "_probed", {})
     for cc in ((10, 0), (12, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cc=cc: cc)
         assert native.unavailable_reason(cuda) is None
+    monkeypatch.setattr(native, "_probed", {})
+    monkeypatch.setattr(native, "probe", lambda device, call=None: "it departs")
+    assert native.unavailable_reason(cuda) == "it departs"
     monkeypatch.setattr(native, "torch_supports_nvfp4", lambda: False)
     assert "lacks" in native.unavailable_reason(cuda)
     with backend.use_backend("auto"):
         assert not backend.use_native(torch.zeros(1))  # CPU tensors: never native
+
+
+def test_probe_accepts_the_documented_semantics_and_refuses_others():
+    """Before the first native GEMM on a device, one small product is compared with the
+    simulator: a call that matches passes; one that reads the scales unswizzled, or fails, is
+    refused with the reason (``auto`` then keeps the emulated GEMMs)."""
+    from quant.scale_layout import unswizzle_scales
+    from quant.scaled_mm_sim import simulate_scaled_mm
+
+    cpu = torch.device("cpu")
+
+    def documented(ops, m, n, dtype):
+        return simulate_scaled_mm(ops, m, n, dtype)
+
+    def row_major_scales(ops, m, n, dtype):  # the scales read as if they were not swizzled
+        cols = ops.k_padded // 16
+        wrong = [unswizzle_scales(s, rows, cols).reshape(-1) for s, rows in ((ops.a_scale, m), (ops.b_scale, n))]
+        padded = [torch.nn.functional.pad(w.view(torch.uint8), (0, s.numel() - w.numel())).view(s.dtype)
+                  for w, s in zip(wrong, (ops.a_scale, ops.b_scale))]
+        bad = native.NativeOperands(ops.a_data, ops.b_data, *padded, ops.a_tensor_scale, ops.b_tensor_scale,
+                                    ops.k, ops.k_padded)
+        return simulate_scaled_mm(bad, m, n, dtype)
+
+    def broken(ops, m, n, dtype):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    assert native.probe(cpu, documented) is None
+    assert "departs from the documented semantics" in native.probe(cpu, row_major_scales)
+    assert "CUBLAS_STATUS_NOT_SUPPORTED" in native.probe(cpu, broken)
 
 
 def test_native_gemm_views_kernel_byte_scales_as_e4m3():
