@@ -204,7 +204,7 @@ def quantized_gemm(
     elif gemm.stochastic:
         rng_a = rng_b = randomness.generator(int(layer[0]), role, device)
         signs = random_signs(gemm.rotation, rng_a, device) if gemm.rotation else None
-    native = backend.use_native(a.values)
+    native = dtype == torch.bfloat16 and backend.use_native(a.values)
     # The forward's quantized operands are what the layer may save; native GEMMs read all packed.
     pack = role == "forward" or native
     fa, qa = _quantize(a, gemm.a, signs, rng_a, gemm.rotation, delayed, _AMAX_SLOT[role, "a"], pack)

@@ -13,7 +13,8 @@ E4M3 block scales (``ScalingType.BlockWise1x16``) in cuBLAS's tiled layout
 The operands come from the quantization kernels in packed form (codes, scales, tensor scale):
 forward, dgrad and wgrad alike, including the rotated MS-EDEN and SR operands of the backward,
 whose rotation is already in the codes. A GEMM with an operand that is not NVFP4 (an ablation
-that leaves one side in high precision) runs emulated.
+that leaves one side in high precision), or whose compute dtype is not BF16 (a run without BF16
+autocast: the probed, documented output), runs emulated.
 
 This module was written against the documented interfaces and checked by simulation only
 (:mod:`quant.scaled_mm_sim`, which takes exactly the tensors passed here; ``docs/performance.md``,
@@ -77,16 +78,18 @@ def probe(device: torch.device, call: GemmCall | None = None) -> str | None:
     """Run one small native GEMM on ``device`` (``call``: default the real one) and compare it
     with the simulator on the same operands: None when they agree to one BF16 ulp, else why not
     (the call failed, or its result departs from the documented semantics, e.g. a scale layout
-    this code does not match). A 200×144 by 136×144 product: rows and K both need padding."""
+    this code does not match). A 208×144 by 144×144 product: the scale rows need padding to 128
+    and K to 64, as in a layer whose dimensions are multiples of 16, not of 128."""
     from .quantizers import quantize_rtn
 
+    m, n, k = 208, 144, 144
     g = torch.Generator().manual_seed(0)
-    a, b = (quantize_rtn(torch.randn(rows, 144, generator=g) * 4).pack() for rows in (200, 136))
+    a, b = (quantize_rtn(torch.randn(rows, k, generator=g) * 4).pack() for rows in (m, n))
     a, b = (PackedNVFP4(p.data.to(device), p.scales.to(device), p.tensor_scale.to(device)) for p in (a, b))
     ops = native_operands(a, b)
-    want = simulate_scaled_mm(ops, 200, 136, torch.bfloat16).float()
+    want = simulate_scaled_mm(ops, m, n, torch.bfloat16).float()
     try:
-        got = (call or scaled_mm)(ops, 200, 136, torch.bfloat16).float()
+        got = (call or scaled_mm)(ops, m, n, torch.bfloat16).float()
     except (RuntimeError, TypeError, ValueError) as err:
         return f"torch's NVFP4 scaled_mm failed on it ({type(err).__name__}: {str(err)[:300]})"
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
