@@ -332,13 +332,15 @@ def operand_study(draws: int, seed: int = 0, names: list[str] | None = None,
 
 
 def operand_markdown(stats: dict[str, BiasStat], seed: int) -> str:
-    rows = [f"## Direct bias test of the operand quantizers: fixed {OPERAND_SHAPE[0]}×{OPERAND_SHAPE[1]} Gaussian "
+    rows = [f"## Direct bias test of the quantizers: fixed {OPERAND_SHAPE[0]}×{OPERAND_SHAPE[1]} Gaussian "
             f"(seed {seed}), rotation {OPERAND_ROTATION}", "",
-            "| estimator | draws | z along X | shrinkage ± se | verdict |", "|---|---:|---:|---:|---|"]
+            "| estimator | draws | z along the target | shrinkage ± se | verdict |", "|---|---:|---:|---:|---|"]
     for name, st in stats.items():
         rows.append(f"| {name} | {st.n} | {st.z:+.1f} | {st.shrinkage:+.2e} ± {st.se:.1e} | "
                     + ("**biased**" if st.biased else "no bias seen") + " |")
-    rows += ["", f"z = mean of p = ⟨X̂ − X, X⟩/‖X‖² over the draws, divided by its standard error: N(0, 1) "
+    rows += ["", "The target is the tensor X for an operand estimator and the exact product X Yᵀ for a GEMM "
+             "estimator (gemm ...). "
+             f"z = mean of p = ⟨X̂ − X, X⟩/‖X‖² over the draws (X the target), divided by its standard error: N(0, 1) "
              f"for an unbiased estimator; biased when |z| > {Z_FLAG:g} (analysis.bias derives the threshold). "
              "Shrinkage = −mean p: E[X̂] = (1 − shrinkage)·X along X.", ""]
     return "\n".join(rows)
