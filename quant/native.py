@@ -74,11 +74,14 @@ def unavailable_reason(device: torch.device) -> str | None:
     return _probed[index]
 
 
+@torch.compiler.disable
 def probe(device: torch.device, call: GemmCall | None = None) -> str | None:
     """Run one small native GEMM on ``device`` (``call``: default the real one) and compare it
     with the simulator on the same operands: None when they agree to one BF16 ulp, else why not
     (the call failed, or its result departs from the documented semantics, e.g. a scale layout
-    this code does not match). A 208×144 by 144×144 product: the scale rows need padding to 128
+    this code does not match). It runs once per GPU, eagerly even under ``torch.compile``; before
+    capturing CUDA graphs, call :func:`quant.backend.describe` (train.py does, at startup) so that
+    it has run. A 208×144 by 144×144 product: the scale rows need padding to 128
     and K to 64, as in a layer whose dimensions are multiples of 16, not of 128."""
     from .quantizers import quantize_rtn
 
