@@ -112,7 +112,7 @@ def test_set_from_code_decides_the_tiles(monkeypatch):
     monkeypatch.setattr(tuning_mod, "_current", None)
     default = get_tuning()
     plan = ops.plan_quantize(1024, 4096, ops.SRC_DENSE, False, 0, "rtn", True, 1, False, True,
-                             True, False, default)
+                             True, False, False, default)
     custom = tuning_from_mapping({"tiles": {layout: [16, 128, 4] for layout in LAYOUTS},
                                   "tiles_per_program": {layout: 1 for layout in LAYOUTS},
                                   "transpose_cols": False})
@@ -121,7 +121,7 @@ def test_set_from_code_decides_the_tiles(monkeypatch):
         assert ops._config("rows") == (16, 128, 4) and ops._tiles_per_program("rows") == 1
         assert not ops._transposes_first(ops.SRC_PACKED, True, True, "ms_eden", get_tuning())
         other = ops.plan_quantize(1024, 4096, ops.SRC_DENSE, False, 0, "rtn", True, 1, False,
-                                  True, True, False, get_tuning())
+                                  True, True, False, False, get_tuning())
     assert get_tuning() is default
     assert other.grid == (64, 32) and other.num_warps == 4 and other.constexprs["BM"] == 16
     if default == GPU_TUNING:
@@ -138,7 +138,7 @@ def test_plan_of_posthoc_eden():
     """The plan of post hoc MS-EDEN rows on the GPU defaults: 4×128 one-warp tiles, four per
     program, shared draws, and an align pass of one program per 128 first-pass programs."""
     p = ops.plan_quantize(16384, 4096, ops.SRC_DENSE, False, 128, "ms_eden", False, 1, False,
-                          True, False, True, GPU_TUNING)
+                          True, False, True, False, GPU_TUNING)
     assert p.grid == (16384 * 32 // 4 // 4,) and p.num_warps == 1 and p.tiles == 4
     assert p.constexprs["SHARED_U"] and not p.constexprs["PREFETCH"] and p.constexprs["BM"] == 4
     assert p.align is not None and p.align.tiles == p.n_prog // 128 and not p.align.strided

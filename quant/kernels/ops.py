@@ -370,13 +370,13 @@ class QuantPlan:
 @functools.lru_cache(maxsize=4096)
 def plan_quantize(M: int, Kd: int, src: int, cols: bool, rot: int, mode: str,
                   four_over_six: bool, rand: int, has_scale: bool, values: bool, pack: bool,
-                  posthoc: bool, tuning: KernelTuning, energy: bool = False) -> QuantPlan:
+                  posthoc: bool, energy: bool, tuning: KernelTuning) -> QuantPlan:
     """The :class:`QuantPlan` of an ``M × Kd`` logical operand of source kind ``src``, read
     across memory rows (``cols``) or along them, rotated in chunks of ``rot`` (0: none), under
     the quantizer ``mode`` (``four_over_six``; draws explicit ``rand=0`` or Philox ``1``; an
     FP32 input scale ``has_scale``), writing the BF16 values, the packed form, with post hoc
-    range alignment, under ``tuning``; ``energy``: MS-EDEN's energy-weighted step 4
-    (``quant_kernel``'s ENERGY)."""
+    range alignment, with MS-EDEN's energy-weighted step 4 (``energy``, ``quant_kernel``'s
+    ENERGY), under ``tuning``."""
     groups = whole_groups(mode, rot, four_over_six)
     tile2d = mode == "rtn_2d"
     meta, bk, nw, tiles = _tiling(layout_of(rot, cols, groups, mode), rot, tuning, tile2d)
@@ -486,7 +486,7 @@ def quantize(call: QuantizeCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor
     if M and Kd:
         plan = plan_quantize(M, Kd, src, cols, rot, mode, four_over_six,
                              0 if uniforms is not None else 1, in_scale is not None, call.values,
-                             call.pack, posthoc, tuning, energy)
+                             call.pack, posthoc, energy, tuning)
         dummy = st  # the pointer of an absent operand (never read)
         _launch_quantize(plan, dict(
             x_ptr=x, xs_ptr=x_scales if x_scales is not None else x,
