@@ -34,7 +34,6 @@ DRAWS = ("philox", "torch")
 _backend: str | None = None
 _draws: str | None = None
 _triton_ok: bool | None = None
-_native_ok: dict[int, bool] = {}
 
 
 def _checked(name: str, allowed: tuple[str, ...], what: str) -> str:
@@ -150,21 +149,16 @@ def use_native(t: torch.Tensor) -> bool:
                 "the reference on CPU) or NVFP4_BACKEND=triton."
             )
         return True
-    if name != "auto" or not t.is_cuda or not triton_available():
-        return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _native_ok:
-        _native_ok[index] = native.unavailable_reason(t.device) is None
-    return _native_ok[index]
+    return name == "auto" and t.is_cuda and triton_available() and native.unavailable_reason(t.device) is None
 
 
 def describe(device: torch.device) -> str:
     """One line saying how the quantized linears run on ``device`` under the current backend
     (for a run's first lines). Raises as :func:`use_native` does where ``native`` cannot run."""
-    probe = torch.empty(0, device=device)
-    if use_native(probe):
+    t = torch.empty(0, device=device)
+    if use_native(t):
         return ("quantization: Triton kernels; GEMMs: native NVFP4 on the FP4 tensor cores "
                 "(checked by simulation, not on this hardware: docs/performance.md)")
-    if use_triton(probe):
+    if use_triton(t):
         return "quantization: Triton kernels; GEMMs: emulated in BF16 with FP32 accumulation"
     return "quantization: reference (pure PyTorch); GEMMs: emulated with FP32 accumulation"

@@ -43,7 +43,7 @@ GemmCall = Callable[[NativeOperands, int, int, torch.dtype], torch.Tensor]
 
 _simulator: GemmCall | None = None
 _calls: list[tuple[int, int, int]] | None = None
-_probed: dict[int, str | None] = {}
+_reasons: dict[int, str | None] = {}
 
 
 def torch_supports_nvfp4() -> bool:
@@ -55,11 +55,21 @@ def torch_supports_nvfp4() -> bool:
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    """Why native NVFP4 GEMMs cannot run on ``device`` (None: they can)."""
+    """Why native NVFP4 GEMMs cannot run on ``device`` (None: they can); found once per GPU
+    (it is asked before every GEMM)."""
     if _simulator is not None:
         return None
     if device.type != "cuda":
         return f"the tensors are on {device.type}, not a CUDA GPU"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _reasons:
+        _reasons[index] = _gpu_reason(torch.device("cuda", index))
+    return _reasons[index]
+
+
+def _gpu_reason(device: torch.device) -> str | None:
+    """:func:`unavailable_reason` of one GPU: its compute capability, torch's interface, then
+    :func:`probe`."""
     major, minor = torch.cuda.get_device_capability(device)
     if major not in NATIVE_CAPABILITIES:
         name = torch.cuda.get_device_name(device)
@@ -68,10 +78,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     if not torch_supports_nvfp4():
         return (f"torch {torch.__version__} lacks torch.float4_e2m1fn_x2 or "
                 "torch.nn.functional.scaled_mm with ScalingType.BlockWise1x16")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _probed:
-        _probed[index] = probe(torch.device("cuda", index))
-    return _probed[index]
+    return probe(device)
 
 
 @torch.compiler.disable
@@ -90,17 +97,26 @@ def probe(device: torch.device, call: GemmCall | None = None) -> str | None:
     a, b = (quantize_rtn(torch.randn(rows, k, generator=g) * 4).pack() for rows in (m, n))
     a, b = (PackedNVFP4(p.data.to(device), p.scales.to(device), p.tensor_scale.to(device)) for p in (a, b))
     ops = native_operands(a, b)
-    want = simulate_scaled_mm(ops, m, n, torch.bfloat16).float()
+    want = simulate_scaled_mm(ops, m, n, torch.bfloat16)
     try:
-        got = (call or scaled_mm)(ops, m, n, torch.bfloat16).float()
+        got = (call or scaled_mm)(ops, m, n, torch.bfloat16)
     except (RuntimeError, TypeError, ValueError) as err:
         return f"torch's NVFP4 scaled_mm failed on it ({type(err).__name__}: {str(err)[:300]})"
-    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
-    worst = float(((got - want).abs() / ulp).max()) if got.shape == want.shape else float("inf")
+    worst = bf16_ulps(got, want) if got.shape == want.shape else float("inf")
     if not worst <= 1.0:
         return (f"torch's NVFP4 scaled_mm departs from the documented semantics on it by {worst:.3g} "
                 "BF16 ulps on a test product (python -m scripts.check_native shows where)")
     return None
+
+
+def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest ``|got − want|`` in BF16 ulps of ``want`` (the spacing at ``|want|``, at least
+    BF16's smallest normal's); inf when either holds a non-finite value."""
+    got, want = got.float(), want.float()
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return float("inf")
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+    return float(((got - want).abs() / ulp).max())
 
 
 def scaled_mm(ops: NativeOperands, m: int, n: int, out_dtype: torch.dtype) -> torch.Tensor:

@@ -74,6 +74,9 @@ EDEN_TARGET = E2M1_MAX / ((17 / 16) * 0.93)
 EDEN_SCALE_MAX = 255.99
 """MS-EDEN's tensor-scale headroom: the EDEN correction may raise a block scale."""
 
+EDEN_CORRECTIONS = ("chunk_scaled", "energy")
+"""MS-EDEN step 4 variants (:func:`quantize_ms_eden`'s ``correction``)."""
+
 
 def tree_sum(v: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (a power of two) by a fixed pairwise tree: ``v[:n/2] + v[n/2:]``
@@ -314,7 +317,7 @@ def quantize_ms_eden(
     per_chunk = chunk // GROUP
     xs_c = x_s.reshape(*x_s.shape[:-2], x_s.shape[-2] // per_chunk, per_chunk * GROUP)
     q_c = q.reshape(xs_c.shape)
-    if correction not in ("chunk_scaled", "energy"):
+    if correction not in EDEN_CORRECTIONS:
         raise ValueError(f"unknown MS-EDEN correction {correction!r}: use chunk_scaled or energy")
     w = _energy_weights(s_b.squeeze(-1), per_chunk) if correction == "energy" else None
     num = chunk_sum(xs_c * xs_c, w)

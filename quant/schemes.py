@@ -27,10 +27,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .hadamard import check_rotation_size
+from .quantizers import EDEN_CORRECTIONS
 
 QUANTIZERS = ("none", "rtn", "rtn_2d", "sr", "ms_eden")
-EDEN_CORRECTIONS = ("chunk_scaled", "energy")
-"""MS-EDEN step 4 variants (``quant.quantizers.quantize_ms_eden``'s ``correction``)."""
 STOCHASTIC = ("sr", "ms_eden")
 
 

@@ -19,6 +19,7 @@ result is not finite, 2 when native GEMMs cannot run here and ``--simulate`` was
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -34,24 +35,16 @@ GEMMS = ("forward", "dgrad", "wgrad")
 
 def _grads(x, w, e, scheme, which: str, simulate: bool):
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    with backend.use_backend(which), quant_step(0), torch.autocast(x.device.type, dtype=torch.bfloat16):
-        if simulate:
-            with native.simulated():
-                y = quantized_linear(x, w, scheme, layer=1)
-                grads = torch.autograd.grad(y, (x, w), e)
-        else:
-            y = quantized_linear(x, w, scheme, layer=1)
-            grads = torch.autograd.grad(y, (x, w), e)
+    with (backend.use_backend(which), quant_step(0), torch.autocast(x.device.type, dtype=torch.bfloat16),
+          native.simulated() if simulate else contextlib.nullcontext()):
+        y = quantized_linear(x, w, scheme, layer=1)
+        grads = torch.autograd.grad(y, (x, w), e)
     return (y.detach(), *grads)
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     """(largest |a − b| in BF16 ulps of b, share of elements that differ)."""
-    a, b = a.float(), b.float()
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return float("inf"), 1.0
-    ulp = torch.finfo(torch.bfloat16).eps * b.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
-    return ((a - b).abs() / ulp).max().item(), (a != b).float().mean().item()
+    return native.bf16_ulps(a, b), (a.float() != b.float()).float().mean().item()
 
 
 def check(device: torch.device, simulate_only: bool, schemes: tuple[str, ...] = SCHEMES) -> list[dict]:

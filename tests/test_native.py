@@ -107,23 +107,29 @@ def test_native_elsewhere_is_refused_with_the_reason_and_the_fix():
 
 def test_auto_picks_native_only_on_blackwell(monkeypatch):
     """``auto`` asks the device: compute capability 10.x or 12.x with a torch that has the
-    NVFP4 interface; Hopper (9.0) gets the reason why not."""
+    NVFP4 interface; Hopper (9.0) gets the reason why not. The answer is found once per GPU."""
     cuda = torch.device("cuda", 0)
+
+    def ask():  # a GPU not asked about before
+        monkeypatch.setattr(native, "_reasons", {})
+        return native.unavailable_reason(cuda)
+
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    reason = native.unavailable_reason(cuda)
+    reason = ask()
     assert "9.0" in reason and "10.x or 12.x" in reason
     monkeypatch.setattr(native, "torch_supports_nvfp4", lambda: True)
-    monkeypatch.setattr(native, "probe", lambda device, call=None: None)
-    monkeypatch.setattr(native, "_probed", {})
+    probes = []
+    monkeypatch.setattr(native, "probe", lambda device, call=None: probes.append(device))
     for cc in ((10, 0), (12, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cc=cc: cc)
-        assert native.unavailable_reason(cuda) is None
-    monkeypatch.setattr(native, "_probed", {})
+        assert ask() is None
+        assert native.unavailable_reason(cuda) is None  # from the cache: no second probe
+    assert probes == [cuda, cuda]
     monkeypatch.setattr(native, "probe", lambda device, call=None: "it departs")
-    assert native.unavailable_reason(cuda) == "it departs"
+    assert ask() == "it departs"
     monkeypatch.setattr(native, "torch_supports_nvfp4", lambda: False)
-    assert "lacks" in native.unavailable_reason(cuda)
+    assert "lacks" in ask()
     with backend.use_backend("auto"):
         assert not backend.use_native(torch.zeros(1))  # CPU tensors: never native
 

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..format import E2M1_MAX, E4M3_MAX, GROUP
-from ..quantizers import EDEN_SCALE_MAX, EDEN_TARGET, FOUR_OVER_SIX_SCALE_MAX, SR_TARGET
+from ..quantizers import EDEN_CORRECTIONS, EDEN_SCALE_MAX, EDEN_TARGET, FOUR_OVER_SIX_SCALE_MAX, SR_TARGET
 from . import triton_kernels as K
 from .interpreter import interpreting, patch_interpreter
 from .tuning import KernelTuning, get_tuning
@@ -451,7 +451,7 @@ def quantize(call: QuantizeCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor
     if posthoc and (mode != "ms_eden" or prev_amax is not None or amax is not None):
         raise ValueError("post hoc range alignment is MS-EDEN's, and takes no (delayed) amax")
     energy = call.eden_correction == "energy"
-    if call.eden_correction not in ("chunk_scaled", "energy") or (energy and mode != "ms_eden"):
+    if call.eden_correction not in EDEN_CORRECTIONS or (energy and mode != "ms_eden"):
         raise ValueError(f"eden_correction is MS-EDEN's step 4, chunk_scaled or energy: got "
                          f"{call.eden_correction!r} for {mode}")
     dev = x.device
