@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -239,8 +239,7 @@ def _saved_factor(p: PackedNVFP4) -> _Factor:
         from .kernels.dispatch import saved_factor
 
         return saved_factor(p)
-    t = p.unpack()
-    return _Factor(t.scaled_values(), t.tensor_scale, packed=p)
+    return replace(_Factor.of(p.unpack()), packed=p)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
