@@ -40,10 +40,11 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 def e2m1_code_magnitude(a: torch.Tensor) -> torch.Tensor:
     """3-bit magnitude code (0..7) of ``|x|`` rounded to nearest E2M1, ties to even, saturating at 6.
 
-    ``a`` must be non-negative. Returns int64 codes.
+    ``a`` must be non-negative; NaN gets code 0. Returns uint8 codes (the count of midpoints below
+    ``a``, a tie counting when its upper neighbour is the even code).
     """
-    code = torch.zeros(a.shape, dtype=torch.int64, device=a.device)
-    for i, m in enumerate(_MIDPOINTS):
+    code = (a > _MIDPOINTS[0]).to(torch.uint8)
+    for i, m in enumerate(_MIDPOINTS[1:], start=1):
         code += (a > m) if i % 2 == 0 else (a >= m)
     return code
 
@@ -51,19 +52,22 @@ def e2m1_code_magnitude(a: torch.Tensor) -> torch.Tensor:
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value, ties to even, saturating at ±6 (SPEC §1).
 
-    Returns float32 values on the E2M1 grid with the sign of ``x`` (``-0.0`` for small negatives).
+    Returns float32 values on the E2M1 grid with the sign of ``x`` (``-0.0`` for small negatives;
+    ``0.0`` for NaN). Below 1 the grid is the multiples of 0.5, so ``round(2|x|)/2`` (torch rounds
+    half to even); from 1 up it is FP32 with one mantissa bit, so the FP32 bit pattern is rounded
+    to its top mantissa bit (add half an ulp, minus one unless the kept bit is odd) and saturated.
     """
     x = x.float()
-    grid = E2M1_GRID.to(x.device)
-    mag = grid[e2m1_code_magnitude(x.abs())]
+    a = x.abs()
+    b = a.view(torch.int32)
+    one_bit = ((b + 0x1FFFFF + ((b >> 22) & 1)) & -0x400000).view(torch.float32)
+    mag = torch.where(a < 1, torch.round(a * 2) * 0.5, one_bit).clamp_(max=E2M1_MAX).nan_to_num_(0.0)
     return torch.where(x < 0, -mag, mag)
 
 
 def encode_e2m1(q: torch.Tensor) -> torch.Tensor:
     """4-bit codes (sign bit 3, magnitude bits 0-2) of values already on the E2M1 grid, as uint8."""
-    mag = e2m1_code_magnitude(q.abs())
-    sign = torch.signbit(q).to(torch.int64)
-    return (sign * 8 + mag).to(torch.uint8)
+    return (torch.signbit(q).to(torch.uint8) << 3) | e2m1_code_magnitude(q.abs())
 
 
 def unpack_codes(data: torch.Tensor) -> torch.Tensor:

@@ -64,11 +64,16 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     """
     h = x.shape[-1]
     y = x.float()
+    spare = None  # the buffer of the stage before last, reused (never the input)
     m = 1
     while m < h:
+        out = torch.empty(y.shape, dtype=torch.float32, device=y.device) if spare is None else spare
         pairs = y.reshape(*y.shape[:-1], h // (2 * m), 2, m)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2).reshape(y.shape)
+        sums = out.view(pairs.shape)
+        torch.add(pairs[..., 0, :], pairs[..., 1, :], out=sums[..., 0, :])
+        torch.sub(pairs[..., 0, :], pairs[..., 1, :], out=sums[..., 1, :])
+        spare = y if m > 1 else None
+        y = out
         m *= 2
     return y * torch.tensor(1.0 / math.sqrt(h), dtype=torch.float32)
 

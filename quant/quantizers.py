@@ -46,7 +46,6 @@ from collections.abc import Callable
 import torch
 
 from .format import (
-    E2M1_GRID,
     E2M1_MAX,
     E4M3_MAX,
     GROUP,
@@ -117,13 +116,16 @@ def stochastic_round_e2m1(v: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     ``u < P(up)``, so ``E[round(v)] = v`` for ``|v| ≤ 6`` (SPEC §2, SR row).
     """
     a = v.float().abs().clamp(max=E2M1_MAX)
-    grid = E2M1_GRID.to(v.device)
-    lo_idx = (a.unsqueeze(-1) >= grid[1:]).sum(-1)
-    lo = grid[lo_idx]
-    hi = grid[(lo_idx + 1).clamp(max=7)]
+    # lo: the grid point at or below a, the multiples of 0.5 below 1 and FP32 truncated to one
+    # mantissa bit from 1 up; the spacing there is half of a's power of two.
+    b = a.view(torch.int32)
+    small = a < 1
+    lo = torch.where(small, torch.floor(a * 2) * 0.5, (b & -0x400000).view(torch.float32))
+    step = torch.where(small, 0.5, (b & 0x7F800000).view(torch.float32) * 0.5)
+    hi = (lo + step).clamp_(max=E2M1_MAX)
     gap = hi - lo
     p_up = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
-    mag = torch.where(uniforms < p_up, hi, lo)
+    mag = torch.where(uniforms < p_up, hi, lo).nan_to_num_(0.0)
     return torch.where(v < 0, -mag, mag)
 
 
