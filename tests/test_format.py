@@ -67,6 +67,17 @@ def test_e2m1_matches_brute_force_including_neighbours_of_midpoints():
     assert torch.equal(got, ref)
 
 
+def test_e2m1_extremes_subnormals_and_nan():
+    """The bit-pattern rounding at FP32's edges: subnormals go to ±0, the largest finite values
+    and ±inf saturate to ±6, NaN gives 0 (the scales carry NaN, module docstring)."""
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.tensor([1e-45, tiny, 1e-30, 3.4e38, float("inf"), float("nan")])
+    x = torch.cat([x, -x])
+    got = round_e2m1(x)
+    assert got.tolist()[:5] == [0.0, 0.0, 0.0, 6.0, 6.0] and got.tolist()[6:11] == [-0.0, -0.0, -0.0, -6.0, -6.0]
+    assert torch.signbit(got[6:9]).all() and got[5].item() == 0.0 and got[11].item() == 0.0
+
+
 def test_e2m1_saturates():
     x = torch.tensor([6.0, 6.5, 100.0, float("inf"), -7.0, -float("inf")])
     assert round_e2m1(x).tolist() == [6.0, 6.0, 6.0, 6.0, -6.0, -6.0]

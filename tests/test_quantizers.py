@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quant.format import E2M1_GRID, round_e2m1, round_e4m3
-from quant.hadamard import hadamard_matrix, random_signs, rotate, unrotate
+from quant.hadamard import fwht, hadamard_matrix, random_signs, rotate, unrotate
 from quant.quantizers import (
     quantize_ms_eden,
     quantize_rtn,
@@ -186,6 +186,16 @@ def test_hadamard_sizes_are_self_consistent(h):
     assert torch.allclose(rotate(x, ones_2h), expected, atol=1e-5)
 
 
+def test_fwht_leaves_its_input_alone_and_takes_any_layout():
+    x = torch.randn(16, 8, 32, generator=torch.Generator().manual_seed(0))
+    expected = fwht(x)
+    assert torch.allclose(expected, x @ hadamard_matrix(32).float(), atol=1e-5)
+    for view in (x.transpose(0, 1), x[::2]):
+        before = view.clone()
+        assert torch.equal(fwht(view), fwht(view.contiguous())) and torch.equal(view, before)
+    assert torch.equal(fwht(x.bfloat16()), fwht(x.bfloat16().float()))
+
+
 def test_rotation_preserves_norm_and_inverts():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 256, generator=g)
@@ -223,6 +233,27 @@ def test_e2m1_stochastic_rounding_probabilities_are_exact():
     assert torch.allclose(r.mean(1), v, atol=2.0 / M)
     # only the two neighbours appear
     assert all(len(row.unique()) <= 2 for row in r)
+
+
+def test_e2m1_stochastic_rounding_matches_the_neighbour_search():
+    """SR's neighbours come from the FP32 bit pattern; here they come from searching the grid
+    (lo = the largest grid point ≤ min(|v|, 6), hi the next one), on the grid points, the
+    midpoints, their FP32 neighbours, saturating values and NaN, with random uniforms."""
+    grid = E2M1_GRID
+    pts = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    v = torch.cat([pts, torch.nextafter(pts, torch.tensor(-1.0)), torch.nextafter(pts, torch.tensor(9.0)),
+                   torch.tensor([7.0, 1e30, float("inf"), float("nan"), 1e-45]), torch.rand(20000) * 7])
+    v = torch.cat([v, -v]).repeat(4)
+    u = torch.rand(v.shape, generator=torch.Generator().manual_seed(0))
+    a = v.abs().clamp(max=6.0)
+    lo_idx = (a.unsqueeze(-1) >= grid[1:]).sum(-1)
+    lo, hi = grid[lo_idx], grid[(lo_idx + 1).clamp(max=7)]
+    gap = hi - lo
+    p_up = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
+    mag = torch.where(u < p_up, hi, lo)
+    expected = torch.where(v < 0, -mag, mag)
+    got = stochastic_round_e2m1(v, u)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
 
 
 def test_e4m3_stochastic_rounding_probabilities_are_exact():
