@@ -136,7 +136,7 @@ def compare(runs: list[Run], baseline: str = BASELINE, notes: list[str] | None =
                 row.baselines = [[b] for _, b in pairs]
                 if len(pairs) < len(rs):
                     notes.append(f"{model} {scheme} {budget_text(budget)}: {len(rs) - len(pairs)} run(s) "
-                                 f"without a BF16 run of the same seed left out of the gap")
+                                 f"without a {baseline} run of the same seed left out of the gap")
             else:
                 row.baseline_loss = _mean([b.final_val_loss for b in base_runs])
                 row.gap = row.final_loss - row.baseline_loss

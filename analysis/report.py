@@ -38,13 +38,13 @@ def markdown(report: Report, baseline: str = BASELINE) -> str:
                        if r.params else
                        f"| {r.model} | — | {_tokens_text(r)} | {_fmt(r.tokens_per_param, '.4g')} | "
                        f"{r.scheme} | {r.final_loss:.4f} | {_fmt(r.baseline_loss)} | {gap} | {r.n} |")
-        out += ["", "n: seeds averaged (paired with the BF16 run of the same seed); ± is their standard "
-                "deviation. Gap > 0: the scheme's validation loss is above BF16's.", ""]
+        out += ["", f"n: seeds averaged (paired with the {baseline} run of the same seed); ± is their "
+                f"standard deviation. Gap > 0: the scheme's validation loss is above {baseline}'s.", ""]
         pivot = _pivot(report.rows, baseline)
         if pivot:
             out += pivot
     else:
-        out += ["(no run has a matching BF16 baseline)", ""]
+        out += [f"(no run has a matching {baseline} baseline)", ""]
     if report.unmatched:
         out += [f"## Runs without a matching {baseline} baseline", "",
                 "| model | tokens | tokens/param | scheme | final val loss | n | runs |",

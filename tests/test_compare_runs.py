@@ -219,6 +219,16 @@ def test_unpaired_seeds_fall_back_to_means(tmp_path):
     assert "(unpaired)" in analysis.markdown(report)
 
 
+def test_another_baseline_is_named_in_the_report(runs_root):
+    runs, notes = analysis.collect_paths([runs_root])
+    report = analysis.compare(runs, baseline="nvidia", notes=notes)
+    q2 = _row(report.rows, "quartet2")
+    assert q2.gap == pytest.approx(3.545 - 3.56) and q2.n == 1
+    text = analysis.markdown(report, baseline="nvidia")
+    assert "paired with the nvidia run of the same seed" in text and "above nvidia's" in text
+    assert "BF16" not in text
+
+
 def test_a_resumed_run_dir_is_one_run_and_duplicates_count_once(tmp_path, runs_root):
     """A resumed run has two W&B folders of one id and one metrics.jsonl: one run; the same run
     found again (a copy) is counted once."""
