@@ -48,6 +48,7 @@ class Report:
     unmatched: list[GapRow]  # no baseline run of that model and budget
     incomplete: list[Run]
     notes: list[str]
+    baseline: str = BASELINE  # the scheme every gap is taken against
 
 
 def _mean(xs: list[float]) -> float:
@@ -149,7 +150,7 @@ def compare(runs: list[Run], baseline: str = BASELINE, notes: list[str] | None =
     def key(r: GapRow) -> tuple:
         return (r.params or 0, r.model, r.tokens_per_param or 0, str(r.budget), scheme_key(r.scheme))
 
-    return Report(sorted(rows, key=key), sorted(unmatched, key=key), incomplete, notes)
+    return Report(sorted(rows, key=key), sorted(unmatched, key=key), incomplete, notes, baseline)
 
 
 def run_gap_curve(run: Run, bases: list[Run]) -> dict[int, tuple[float, float]]:

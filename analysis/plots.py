@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CompareError
-from .labels import BASELINE, scheme_key
+from .labels import scheme_key
 from .pairing import Report
 from .runs import budget_text
 
@@ -35,9 +35,9 @@ def _save_figure(fig: Any, path: Path, dpi: int) -> Path:
     return path
 
 
-def plot_gaps(report: Report, path: Path, baseline: str = BASELINE) -> Path:
+def plot_gaps(report: Report, path: Path) -> Path:
     """Loss gap against tokens per parameter: one panel per model size, one line per scheme."""
-    plt = _pyplot()
+    plt, baseline = _pyplot(), report.baseline
     rows = [r for r in report.rows if r.scheme != baseline and r.gap is not None and r.tokens_per_param]
     if not rows:
         raise CompareError(f"nothing to plot: no run has a matching {baseline} baseline")
@@ -64,9 +64,9 @@ def plot_gaps(report: Report, path: Path, baseline: str = BASELINE) -> Path:
     return _save_figure(fig, path, dpi=120)
 
 
-def plot_curves(report: Report, path: Path, baseline: str = BASELINE) -> Path:
+def plot_curves(report: Report, path: Path) -> Path:
     """Gap along training: one panel per (model, budget), one line per scheme."""
-    plt = _pyplot()
+    plt, baseline = _pyplot(), report.baseline
     rows = [r for r in report.rows if r.scheme != baseline and r.curve]
     if not rows:
         raise CompareError(f"no validation curves to compare: the runs share no val/loss steps with "

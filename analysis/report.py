@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from .labels import BASELINE, scheme_key
+from .labels import scheme_key
 from .pairing import GapRow, Report
 from .runs import budget_text
 
@@ -20,9 +20,10 @@ def _tokens_text(row: GapRow) -> str:
     return f"{row.tokens:,}" if row.tokens else budget_text(row.budget)
 
 
-def markdown(report: Report, baseline: str = BASELINE) -> str:
+def markdown(report: Report) -> str:
     """The report: the gap table, a per-model pivot of the gaps (SPEC §5's layout), runs without
     a baseline, runs without a final validation loss, and notes."""
+    baseline = report.baseline
     out = [f"## Final validation loss and loss gap to {baseline}", ""]
     if report.rows:
         out += ["| model | non-emb. params | tokens | tokens/param | scheme | final val loss | "

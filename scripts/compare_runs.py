@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         for project in a.wandb:
             runs += collect_wandb_project(project)
         report = compare(runs, a.baseline, notes)
-        text = markdown(report, a.baseline)
+        text = markdown(report)
         print(text)
         if a.out:
             a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         paired = [r for r in report.rows if r.gap is not None]
         if not a.no_plot:
             if paired:
-                print(f"loss-gap plot: {plot_gaps(report, a.plot, a.baseline)}")
+                print(f"loss-gap plot: {plot_gaps(report, a.plot)}")
             else:
                 print(f"no loss-gap plot: no run has a matching {a.baseline} baseline")
         if a.curves is not None:
             if any(r.curve for r in paired):
-                print(f"gap-curve plot: {plot_curves(report, a.curves, a.baseline)}")
+                print(f"gap-curve plot: {plot_curves(report, a.curves)}")
             else:
                 print("no gap-curve plot: no paired runs with validation losses at common steps")
         if a.writeback:

@@ -224,7 +224,7 @@ def test_another_baseline_is_named_in_the_report(runs_root):
     report = analysis.compare(runs, baseline="nvidia", notes=notes)
     q2 = _row(report.rows, "quartet2")
     assert q2.gap == pytest.approx(3.545 - 3.56) and q2.n == 1
-    text = analysis.markdown(report, baseline="nvidia")
+    text = analysis.markdown(report)
     assert "paired with the nvidia run of the same seed" in text and "above nvidia's" in text
     assert "BF16" not in text
 
