@@ -92,7 +92,8 @@ def _pivot(rows: list[GapRow], baseline: str) -> list[str]:
 
 
 def report_json(report: Report) -> dict[str, Any]:
-    """The report's numbers: ``rows``, ``no_baseline``, ``incomplete`` and ``notes``."""
+    """The report's numbers: ``baseline`` (the scheme every gap is against), ``rows``,
+    ``no_baseline``, ``incomplete`` and ``notes``."""
     def row(r: GapRow) -> dict[str, Any]:
         return {"model": r.model, "non_embedding_params": r.params, "tokens": r.tokens,
                 "tokens_per_param": r.tokens_per_param, "scheme": r.scheme, "final_val_loss": r.final_loss,
@@ -100,6 +101,7 @@ def report_json(report: Report) -> dict[str, Any]:
                 "paired": r.paired, "runs": [x.name for x in r.runs],
                 "gap_curve": {str(k): v for k, v in r.curve.items()}}
 
-    return {"rows": [row(r) for r in report.rows], "no_baseline": [row(r) for r in report.unmatched],
+    return {"baseline": report.baseline, "rows": [row(r) for r in report.rows],
+            "no_baseline": [row(r) for r in report.unmatched],
             "incomplete": [{"name": r.name, "path": r.path, "last_step": r.last_step} for r in report.incomplete],
             "notes": report.notes}

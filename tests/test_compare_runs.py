@@ -176,6 +176,7 @@ def test_cli_end_to_end(runs_root, tmp_path, capsys):
     assert (out / "gap.png").read_bytes()[:8] == PNG and (out / "curves.png").read_bytes()[:8] == PNG
     assert (out / "report.md").read_text().strip() in printed
     data = json.loads((out / "report.json").read_text())
+    assert data["baseline"] == "bf16"
     assert {r["scheme"] for r in data["rows"]} >= {"nvidia", "quartet2"}
     assert len(data["no_baseline"]) == 3
     assert "--writeback" in printed and "skipped" in printed  # file runs cannot be written back
@@ -227,6 +228,7 @@ def test_another_baseline_is_named_in_the_report(runs_root):
     text = analysis.markdown(report)
     assert "paired with the nvidia run of the same seed" in text and "above nvidia's" in text
     assert "BF16" not in text
+    assert analysis.report_json(report)["baseline"] == "nvidia"
 
 
 def test_a_resumed_run_dir_is_one_run_and_duplicates_count_once(tmp_path, runs_root):
