@@ -48,7 +48,7 @@ class Report:
     unmatched: list[GapRow]  # no baseline run of that model and budget
     incomplete: list[Run]
     notes: list[str]
-    baseline: str = BASELINE  # the scheme every gap is taken against
+    baseline: str  # the scheme every gap is taken against
 
 
 def _mean(xs: list[float]) -> float:

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             if paired:
                 print(f"loss-gap plot: {plot_gaps(report, a.plot)}")
             else:
-                print(f"no loss-gap plot: no run has a matching {a.baseline} baseline")
+                print(f"no loss-gap plot: no run has a matching {report.baseline} baseline")
         if a.curves is not None:
             if any(r.curve for r in paired):
                 print(f"gap-curve plot: {plot_curves(report, a.curves)}")
