@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.identity import parse_run_name
 from training.run_dir import read_metrics, val_losses
 
 from .errors import CompareError
 from .labels import scheme_label
 from .wandb_folders import is_wandb_run_folder, orphan_note, wandb_run_folders, wandb_run_id
 
-RUN_NAME = re.compile(r"^(?P<model>[^-]+)-(?P<scheme>[^-+]+)(?P<switches>(?:\+[^-+]+)*)"
-                      r"-(?P<budget>\d+(?:\.\d+)?(?:tpp|steps))-s(?P<seed>\d+)$")
-"""train.yaml's ``run_name``: ``<model>-<scheme>[+<switch>=<value>...]-<budget>-s<seed>``."""
 SKIP_DIRS = {"checkpoints", ".submitit", "wandb", ".hydra", "__pycache__", ".git"}
 
 Budget = tuple[str, int | float]
@@ -156,22 +153,17 @@ def apply_summary(run: Run, summary: dict) -> None:
 
 
 def apply_name(run: Run, name: str) -> None:
-    """``<model>-<scheme>[+<switch>=<value>...]-<budget>-s<seed>`` (train.yaml's run_name, whose
-    switches become the report's ``scheme[switch=value,...]`` label) for what is still unknown."""
-    m = RUN_NAME.match(name)
-    if not m:
+    """What a run name says (:func:`training.identity.parse_run_name`: model, the scheme's report
+    label, seed and budget), for what is still unknown."""
+    parts = parse_run_name(name)
+    if parts is None:
         return
-    run.model = run.model or m["model"]
-    switches = m["switches"][1:].split("+") if m["switches"] else []
-    run.scheme = run.scheme or (f"{m['scheme']}[{','.join(switches)}]" if switches else m["scheme"])
+    run.model = run.model or parts.model
+    run.scheme = run.scheme or parts.scheme
     if run.seed is None:
-        run.seed = int(m["seed"])
-    budget = m["budget"]
+        run.seed = parts.seed
     if run.tokens is None and run.tokens_per_param_cfg is None and run.steps is None:
-        if budget.endswith("tpp"):
-            run.tokens_per_param_cfg = float(budget[:-3])
-        else:
-            run.steps = int(budget[:-5])
+        run.tokens_per_param_cfg, run.steps = parts.tokens_per_param, parts.steps
 
 
 # ----------------------------------------------------------------------------- readers
@@ -214,7 +206,7 @@ def read_run_dir(run_dir: Path) -> Run:
         run.run_id = wandb_run_id(wb_folders[-1])
     apply_config(run, cfg)
     apply_name(run, run.name)
-    if cfg and cfg.get("run_name") and RUN_NAME.match(str(cfg["run_name"])):
+    if cfg and cfg.get("run_name") and parse_run_name(str(cfg["run_name"])):
         run.name = cfg["run_name"]
     return run
 

@@ -44,8 +44,8 @@ import quant
 from model import build_model
 from model.parallel import COMPILE_MODES, materialize, parallelize, replays_cuda_graphs
 from scripts.cuda_graph import capture
-from training.metrics import bf16_peak_flops
 from training.optim import build_adamw
+from training.tracking import bf16_peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
 

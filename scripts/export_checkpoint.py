@@ -6,78 +6,20 @@
 The first argument is a checkpoint directory (``step_XXXXXXXX``), or a run directory, whose
 newest checkpoint under ``checkpoints/`` whose files match their checksums is exported (the one
 ``training.checkpoint.Checkpointer(run_dir / "checkpoints").newest_verified()`` names; the script
-says which). A checkpoint that does not verify is refused with the reason. The output is a
-``torch.save`` dict ``{"model": state_dict, "config": resolved run config, "step": step}``. Its
-state dict has ``nn.Linear``-compatible keys, so it loads into ``model.build_model(config["model"])``
-with or without ``quant.quantize_model``. Runs in one process on CPU, whatever the world size that
-wrote the checkpoint.
+says which). A checkpoint that does not verify is refused with the reason. The output is
+``training.checkpoint.export``'s ``torch.save`` dict ``{"model": state_dict, "config": resolved run
+config, "step": step}``, which loads into ``model.build_model(config["model"])`` with or without
+``quant.quantize_model``. Runs in one process on CPU, whatever the world size that wrote the
+checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-from training.checkpoint import Checkpointer, read_extra, verify
-
-
-def _newest_in(checkpoints: Path) -> str:
-    """A sentence naming the newest complete checkpoint in ``checkpoints``, or "" when none."""
-    newest, _ = Checkpointer(checkpoints).newest_verified()
-    return f" The newest complete checkpoint in {checkpoints} is {newest}." if newest else ""
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """The complete checkpoint directory that ``path`` names: ``path`` itself when it is one, or
-    the newest complete checkpoint of the run directory ``path`` (in ``path/checkpoints/``).
-
-    FileNotFoundError when ``path`` does not exist or a run directory has no complete
-    checkpoint; ValueError when ``path`` is an incomplete checkpoint or neither kind of directory.
-    Each message names the newest complete checkpoint nearby, when there is one.
-    """
-    usage = "pass runs/<run> (its newest complete checkpoint) or runs/<run>/checkpoints/step_XXXXXXXX"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist. Fix: {usage}.{_newest_in(path.parent)}")
-    problem = verify(path)
-    if problem is None:
-        return path
-    if (path / "checkpoints").is_dir():
-        newest, _ = Checkpointer(path / "checkpoints").newest_verified()
-        if newest is None:
-            raise FileNotFoundError(
-                f"the run directory {path} has no complete checkpoint in {path / 'checkpoints'} "
-                f"(training saves one every train.ckpt_every steps and at the end). Fix: let the "
-                f"run reach a checkpoint, or pass another run."
-            )
-        return newest
-    if path.name.startswith("step_"):
-        raise ValueError(
-            f"{path} is not a complete checkpoint: {problem}. Fix: "
-            f"{usage}, one that training finished writing.{_newest_in(path.parent)}"
-        )
-    raise ValueError(
-        f"{path} is neither a checkpoint (step_XXXXXXXX with a COMPLETE manifest) nor a run "
-        f"directory (with a checkpoints/ folder). Fix: {usage}.{_newest_in(path)}"
-    )
-
-
-def export(checkpoint: Path, out: Path) -> Path:
-    """Write the model weights, resolved config and step of ``checkpoint`` (a checkpoint or a
-    run directory, see :func:`resolve_checkpoint`) to ``out``; returns ``out``."""
-    checkpoint = resolve_checkpoint(Path(checkpoint))
-    extra = read_extra(checkpoint)
-    with tempfile.TemporaryDirectory() as tmp:
-        full = Path(tmp) / "full.pt"
-        dcp_to_torch_save(checkpoint, full)
-        state = torch.load(full, map_location="cpu", weights_only=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": state["model"], "config": extra["config"], "step": extra["step"]}, out)
-    return out
+from training.checkpoint import export, resolve_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,11 +31,11 @@ import torch
 from safetensors.torch import save_file
 
 from data.tokenizer import Tokenizer, check_vocab
+from inference.trained_model import consolidate, find_tokenizer, read_consolidated
 from model.hf import HF_CONFIG, HF_WEIGHTS, SP_MODEL, hf_config, to_hf_state_dict
 from model.llama import LlamaConfig, build_model
 from scripts.export_checkpoint import resolve_checkpoint
 from training.run_dir import read_metrics, val_losses
-from training.trained_model import consolidate, find_tokenizer, read_consolidated
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROBE = "  Probe: 1234 tokens,\tüñí漢字\n\nend "  # checked to encode alike in SentencePiece and HF
@@ -44,7 +44,7 @@ PROBE = "  Probe: 1234 tokens,\tüñí漢字\n\nend "  # checked to encode alike
 def load_source(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, Path | None]:
     """State dict, resolved run config, step and run directory (None when unknown) of ``path``: a
     consolidated ``.pt`` of scripts/export_checkpoint.py, a checkpoint or a run directory
-    (``training.trained_model``). FileNotFoundError / ValueError (with the fix) for anything else."""
+    (``inference.trained_model``). FileNotFoundError / ValueError (with the fix) for anything else."""
     if path.is_file():
         blob, run_dir = read_consolidated(path), None
     else:

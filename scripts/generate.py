@@ -27,8 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from data.tokenizer import Tokenizer, check_vocab  # noqa: E402
+from inference.trained_model import KINDS, find_tokenizer, load_checkpoint, pick_device  # noqa: E402
 from model.sampling import generate  # noqa: E402
-from training.trained_model import KINDS, find_tokenizer, load_checkpoint, pick_device  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

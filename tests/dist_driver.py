@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-import train
-from training import checkpoint
+from training import checkpoint, trainer
 from training.distributed import barrier, init_distributed, shutdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,8 +46,8 @@ def main() -> None:
         kill_at = run.get("exit_after_checkpoint")
         if kill_at is not None:
             checkpoint.Checkpointer.save = _exiting_after(checkpoint.Checkpointer.save, kill_at)
-        train._train(cfg, di)
-    barrier()  # as train.run: every rank is done before any tears the process group down
+        trainer.train(cfg, di)
+    barrier()  # as trainer.run: every rank is done before any tears the process group down
     shutdown()
 
 

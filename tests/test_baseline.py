@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import train
+from training import trainer
 from training.baseline import CONFIG_FILE, BaselineError, LiveGap
 
 BASE_CFG = {"model": {"name": "tiny", "n_layer": 2, "d_model": 64}, "quant": {"name": "bf16"}, "seed": 0,
@@ -103,9 +103,9 @@ def test_quantized_run_logs_its_gap_against_the_bf16_run(tiny):
     the gap to bf16's losses at the same steps, and its summary the final one."""
     common = ["train.steps=4", "train.eval_every=2", "train.ckpt_every=100"]
     base_cfg = tiny("quant=bf16", *common, run="tiny-bf16")
-    train.run(base_cfg)
+    trainer.run(base_cfg)
     cfg = tiny("quant=quartet2", *common, run="tiny-quartet2")
-    summary = train.run(cfg)
+    summary = trainer.run(cfg)
     rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     base = {r["step"]: r["val/loss"] for r in map(json.loads, (Path(base_cfg.run_dir) / "metrics.jsonl")
                                                    .read_text().splitlines()) if "val/loss" in r}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import train
+from training import trainer
 from training.checkpoint import Checkpointer, is_complete
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def test_fsdp2_matches_one_process_on_the_same_global_batch(tmp_path, compose_tr
     extra = ("quant=bf16", "precision=fp32", "train.steps=6")
     single = tmp_path / "single"
     torch.set_num_threads(1)
-    train.run(compose_train(_overrides(single, data_cache, *extra)))
+    trainer.run(compose_train(_overrides(single, data_cache, *extra)))
     torchrun(tmp_path, [{"overrides": _overrides(tmp_path / "fsdp", data_cache, *extra)},
                         {"overrides": _overrides(tmp_path / "hsdp", data_cache, *extra, "parallel.replicate=2")}])
     a, b = losses(single), losses(tmp_path / "fsdp")
@@ -99,7 +99,7 @@ def test_kill_after_checkpoint_then_resume_is_exact(tmp_path, data_cache, scheme
 def test_truncated_or_unfinished_checkpoint_is_ignored(tmp_path, compose_train, data_cache):
     run_dir = tmp_path / "run"
     extra = ("quant=bf16", "precision=fp32", "train.steps=4", "train.ckpt_every=2", "train.keep_checkpoints=3")
-    train.run(compose_train(_overrides(run_dir, data_cache, *extra)))
+    trainer.run(compose_train(_overrides(run_dir, data_cache, *extra)))
     ckpts = Checkpointer(run_dir / "checkpoints")
     assert [s for s, _ in ckpts.all()] == [2, 4]
     shard = next((run_dir / "checkpoints" / "step_00000004").glob("*.distcp"))
@@ -107,7 +107,7 @@ def test_truncated_or_unfinished_checkpoint_is_ignored(tmp_path, compose_train, 
     (run_dir / "checkpoints" / ".step_00000006.tmp").mkdir()  # an unfinished save
     assert not is_complete(run_dir / "checkpoints" / "step_00000004")
     assert ckpts.latest() == run_dir / "checkpoints" / "step_00000002"
-    train.run(compose_train(_overrides(run_dir, data_cache, *extra)))
+    trainer.run(compose_train(_overrides(run_dir, data_cache, *extra)))
     assert "resuming at step 2" in (run_dir / "train.log").read_text()
 
 
@@ -117,9 +117,9 @@ def test_resume_on_another_world_size_is_refused_unless_resharding(tmp_path, com
     torchrun(tmp_path, [{"overrides": _overrides(run_dir, data_cache, *extra), "exit_after_checkpoint": 2}],
              expect_ok=False)
     with pytest.raises(ValueError, match=r"world_size: 2 in the checkpoint, 1 now.*Fix"):
-        train.run(compose_train(_overrides(run_dir, data_cache, *extra)))
+        trainer.run(compose_train(_overrides(run_dir, data_cache, *extra)))
     # explicit reshard path: DCP loads the 2-rank shards into one process
-    summary = train.run(compose_train(_overrides(run_dir, data_cache, *extra, "parallel.allow_reshard=true")))
+    summary = trainer.run(compose_train(_overrides(run_dir, data_cache, *extra, "parallel.allow_reshard=true")))
     assert "resuming at step 2" in (run_dir / "train.log").read_text()
     assert summary["world_size"] == 1
 
@@ -143,13 +143,13 @@ def test_async_checkpoints_resume_exactly(tmp_path, compose_train, data_cache):
     extra = ("quant=quartet2", "precision=fp32", "train.steps=4", "train.ckpt_every=2",
              "train.async_checkpoint=true", "train.keep_checkpoints=3")
     whole = tmp_path / "whole"
-    train.run(compose_train(_overrides(whole, data_cache, *extra)))
+    trainer.run(compose_train(_overrides(whole, data_cache, *extra)))
     assert [s for s, _ in Checkpointer(whole / "checkpoints").all()] == [2, 4]
     part = tmp_path / "part"
-    train.run(compose_train(_overrides(part, data_cache, *extra)))
+    trainer.run(compose_train(_overrides(part, data_cache, *extra)))
     shutil.rmtree(part / "checkpoints" / "step_00000004")  # as if killed after step 2's save
     lines = (part / "metrics.jsonl").read_text().splitlines()[:3]  # steps 0, 1, 2
     (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    train.run(compose_train(_overrides(part, data_cache, *extra)))
+    trainer.run(compose_train(_overrides(part, data_cache, *extra)))
     assert "resuming at step 2" in (part / "train.log").read_text()
     assert losses(part) == losses(whole)

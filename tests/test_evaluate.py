@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-import train  # noqa: E402
 from data.tokenizer import Tokenizer  # noqa: E402
 from model import build_model  # noqa: E402
 from scripts import evaluate as evaluate_cli  # noqa: E402
+from training import errors, trainer
 from training.run_dir import read_metrics  # noqa: E402
 
 WORDS = "and the of to that in he shall unto for i his a lord they be is him not them".split()
@@ -129,10 +129,10 @@ def test_downstream_eval_during_training(tiny, tasks) -> None:
     task_args = [f"train.downstream_tasks=[{TASK}]", f"train.downstream_include_path={tasks[0]}",
                  "train.downstream_limit=4", "quant=bf16"]
     cfg = tiny("train.steps=2", "train.eval_every=2", "train.downstream_eval_every=1", *task_args)
-    train.run(cfg)
+    trainer.run(cfg)
     rows = [r for r in read_metrics(Path(cfg.run_dir)) if f"eval/{TASK}/acc" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r[f"eval/{TASK}/acc"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in rows)
-    with pytest.raises(train.TrainingError, match="unknown lm-eval task"):
-        train.run(tiny("train.steps=2", "train.downstream_eval_every=1", "train.downstream_tasks=[local_mcq]",
+    with pytest.raises(errors.TrainingError, match="unknown lm-eval task"):
+        trainer.run(tiny("train.steps=2", "train.downstream_eval_every=1", "train.downstream_tasks=[local_mcq]",
                        f"train.downstream_include_path={tasks[0]}", run="bad"))

@@ -19,9 +19,9 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-import train  # also registers the ${budget:...} resolver of run names
 from model import build_model
 from scripts import compare_runs as cr
+from training import identity
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ["30m", "50m", "100m", "200m"]
@@ -161,7 +161,7 @@ def test_compare_runs_reports_the_smoke_sweep(smoke_sweep, tmp_path, capsys):
 
 def test_documented_budget_table_is_what_the_trainer_runs():
     """docs/experiments.md's table of steps (and tokens) per budget of the C4 sweep, and its
-    totals, regenerated from ``train.total_steps`` and the presets' non-embedding parameters."""
+    totals, regenerated from ``training.identity.total_steps`` and the presets' non-embedding parameters."""
     doc = (REPO / "docs" / "experiments.md").read_text(encoding="utf-8")
     header = "| tokens/param | 30m | 50m | 100m | 200m |"
     lines = doc.split(header, 1)[1].strip().splitlines()[1 : 1 + len(TPP)]
@@ -172,7 +172,7 @@ def test_documented_budget_table_is_what_the_trainer_runs():
         n = build_model(cfg.model, device="meta").num_params(non_embedding=True)
         for tpp in TPP:
             cfg.train.tokens_per_param = tpp
-            tokens[tpp, size] = train.total_steps(cfg, n) * cfg.train.batch_size * cfg.train.seq_len
+            tokens[tpp, size] = identity.total_steps(cfg, n) * cfg.train.batch_size * cfg.train.seq_len
     expected = [f"| {tpp} | " + " | ".join(
         f"{tokens[tpp, s] // 262_144:,} ({tokens[tpp, s] / 1e9:.2f}B)" for s in SIZES) + " |" for tpp in TPP]
     assert lines == expected
@@ -209,7 +209,7 @@ def test_paper_30m_is_the_spec_recipe_at_25_tokens_per_param():
     assert cfg.train.seq_len == 512 and cfg.train.batch_size == 512
     assert cfg.optim.lr == PEAK_LR["30m"] and cfg.compile is True
     assert cfg.train.eval_batches * cfg.train.eval_batch_size * cfg.train.seq_len >= 1_000_000
-    steps = train.total_steps(cfg, 30_482_560)  # SPEC §4's non-embedding parameters of 30m
+    steps = identity.total_steps(cfg, 30_482_560)  # SPEC §4's non-embedding parameters of 30m
     assert steps == 2908 and cfg.run_name == "30m-nvidia-25tpp-s0"
     c4 = compose_with_hydra(["experiment=paper_30m", "data=c4", "data.tokenizer_path=/tok.model"])
     assert c4.data.name == "c4" and c4.train.tokens_per_param == 25

@@ -16,11 +16,11 @@ import torch
 from omegaconf import OmegaConf
 
 from data.prepare import dataset_dir, iter_documents, prepare_from_config
+from inference.trained_model import model_from_state
 from model.llama import Llama, build_model
 from model.sampling import generate
 from scripts.generate import main
 from training.checkpoint import Checkpointer
-from training.trained_model import model_from_state
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_CFG = {"name": "micro", "vocab_size": 384, "n_layer": 2, "d_model": 64, "n_head": 2, "max_seq_len": 8}

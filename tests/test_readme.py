@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import train
+from training import errors, trainer
 from training.preemption import STOP_FILE
 from training.tracking import Tracker
 
@@ -43,8 +43,8 @@ def test_readme_quick_start_losses(compose_train, data_cache, tmp_path, monkeypa
             (run_dir / STOP_FILE).touch()  # the remaining 200 steps are not needed here
 
     monkeypatch.setattr(Tracker, "log", log_then_stop_at_100)
-    with pytest.raises(train.Preempted):
-        train.run(cfg)
+    with pytest.raises(errors.Preempted):
+        trainer.run(cfg)
     rows = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     # README rounds: one decimal at step 0, two at step 100 (half a unit of the last digit, and
     # as much again for float-summation differences between CPUs).

@@ -1,7 +1,7 @@
 """The trainer under faults (docs/reliability.md): non-finite values, corrupt checkpoints, fresh
 starts over an earlier run, stop requests at any moment, a full disk, a hung rank, bad settings.
 
-Tiny CPU runs through ``train.run(cfg)`` (the ``tiny`` fixture of tests/test_train.py: 8×128
+Tiny CPU runs through ``trainer.run(cfg)`` (the ``tiny`` fixture of tests/test_train.py: 8×128
 tokens per step, FP32), a few steps each.
 """
 
@@ -22,8 +22,8 @@ import torch
 from conftest import FAST
 from test_train import checkpoint_state, checkpoint_steps, read_metrics
 
-import train
 from training import checkpoint as ckpt
+from training import errors, trainer
 from training.checkpoint import Checkpointer, file_checksum, read_extra, verify
 from training.distributed import init_distributed
 from training.preemption import REQUEUE_FILE, STOP_FILE, PreemptionWatcher
@@ -52,7 +52,7 @@ def all_finite(path: Path, scratch: Path) -> bool:
 def poison_gradient_at(monkeypatch, step: int) -> None:
     """From optimizer step ``step`` on, one weight's gradient is NaN while the loss stays finite
     (a hook on the first block's query-key-value weight)."""
-    real = train.build_adamw
+    real = trainer.build_adamw
     calls = {"n": 0}
 
     def build(model, *args, **kwargs):
@@ -65,7 +65,7 @@ def poison_gradient_at(monkeypatch, step: int) -> None:
         weight.register_hook(hook)
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(train, "build_adamw", build)
+    monkeypatch.setattr(trainer, "build_adamw", build)
 
 
 def run_killed_after_saving(cfg, step: int, monkeypatch) -> None:
@@ -82,7 +82,7 @@ def run_killed_after_saving(cfg, step: int, monkeypatch) -> None:
     with monkeypatch.context() as m:
         m.setattr(Checkpointer, "save", save_then_kill)
         with pytest.raises(KeyboardInterrupt):
-            train.run(cfg)
+            trainer.run(cfg)
 
 
 # ----------------------------------------------------------------------------- non-finite values
@@ -92,8 +92,8 @@ def test_nan_gradient_with_finite_loss_stops_before_saving(tiny, tmp_path, monke
     with monkeypatch.context() as m:
         poison_gradient_at(m, 5)
         cfg = tiny("train.steps=8", "train.ckpt_every=2", "train.eval_every=1000")
-        with pytest.raises(train.TrainingError) as info:
-            train.run(cfg)
+        with pytest.raises(errors.TrainingError) as info:
+            trainer.run(cfg)
     msg = str(info.value)
     good = Path(cfg.run_dir) / "checkpoints" / "step_00000004"
     assert "gradient norm is nan" in msg and re.search(r"\bstep 5\b", msg), msg
@@ -105,7 +105,7 @@ def test_nan_gradient_with_finite_loss_stops_before_saving(tiny, tmp_path, monke
     # The fix the message gives works: resume from step 4 with half the learning rate.
     fix = re.search(r"(optim\.lr=\S+) '(resume_with_changes=\[optim\.lr\])'", msg)
     assert fix, msg
-    summary = train.run(tiny("train.steps=8", "train.ckpt_every=2", "train.eval_every=1000", *fix.groups()))
+    summary = trainer.run(tiny("train.steps=8", "train.ckpt_every=2", "train.eval_every=1000", *fix.groups()))
     log = (Path(cfg.run_dir) / "train.log").read_text()
     assert "resuming at step 4" in log and "changed setting (resume_with_changes): optim.lr" in log
     # Every save is logged with its size and time.
@@ -119,8 +119,8 @@ def test_nan_between_reads_is_found_at_its_step(tiny, monkeypatch):
     with monkeypatch.context() as m:
         poison_gradient_at(m, 5)
         cfg = tiny("train.steps=8", "train.ckpt_every=4", "train.log_every=100", "train.eval_every=1000")
-        with pytest.raises(train.TrainingError, match=r"gradient norm is nan .*at step 5\b"):
-            train.run(cfg)
+        with pytest.raises(errors.TrainingError, match=r"gradient norm is nan .*at step 5\b"):
+            trainer.run(cfg)
     assert checkpoint_steps(cfg.run_dir) == [4]
     assert max(read_metrics(cfg.run_dir)) == 4
 
@@ -139,9 +139,9 @@ def test_nonfinite_parameter_after_the_update_stops_the_run(tiny, monkeypatch):
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     cfg = tiny("train.steps=6", "train.ckpt_every=2", "train.eval_every=1000")
-    with pytest.raises(train.TrainingError, match=r"a parameter is non-finite after the optimizer step "
+    with pytest.raises(errors.TrainingError, match=r"a parameter is non-finite after the optimizer step "
                                                   r"\(loss and gradient norm are finite\) at step 3"):
-        train.run(cfg)
+        trainer.run(cfg)
     assert checkpoint_steps(cfg.run_dir) == [2]
 
 
@@ -162,7 +162,7 @@ def test_checkpointer_refuses_to_save_nonfinite_state(tmp_path):
 
 def test_corrupt_shard_falls_back_to_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
     common = ("train.steps=6", "train.ckpt_every=2", "train.eval_every=1000")
-    reference = train.run(tiny(*common, run="reference"))
+    reference = trainer.run(tiny(*common, run="reference"))
 
     cfg = tiny(*common)
     run_killed_after_saving(cfg, 4, monkeypatch)
@@ -174,7 +174,7 @@ def test_corrupt_shard_falls_back_to_the_previous_checkpoint(tiny, tmp_path, mon
         f.write(os.urandom(4096))
     assert "does not match its checksum" in verify(newest)
 
-    summary = train.run(tiny(*common))
+    summary = trainer.run(tiny(*common))
     log = (Path(cfg.run_dir) / "train.log").read_text()
     assert f"warning: skipped checkpoint {newest}: __0_0.distcp does not match its checksum" in log
     assert "resuming at step 2" in log
@@ -204,7 +204,7 @@ def test_extra_state_is_never_unpickled_as_code(tiny, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(pickle.UnpicklingError):
         read_extra(newest)
-    train.run(tiny("train.steps=6", "train.ckpt_every=2", "train.eval_every=1000"))
+    trainer.run(tiny("train.steps=6", "train.ckpt_every=2", "train.eval_every=1000"))
     assert not (tmp_path / "EVIL_RAN").exists()
     log = (Path(cfg.run_dir) / "train.log").read_text()
     assert f"warning: skipped checkpoint {newest}: extra.pt does not load (UnpicklingError" in log
@@ -216,18 +216,18 @@ def test_garbage_extra_of_the_same_size_is_skipped(tiny, monkeypatch):
     run_killed_after_saving(cfg, 4, monkeypatch)
     extra = Path(cfg.run_dir) / "checkpoints" / "step_00000004" / "extra.pt"
     extra.write_bytes(os.urandom(extra.stat().st_size))
-    train.run(tiny("train.steps=6", "train.ckpt_every=2", "train.eval_every=1000"))
+    trainer.run(tiny("train.steps=6", "train.ckpt_every=2", "train.eval_every=1000"))
     log = (Path(cfg.run_dir) / "train.log").read_text()
     assert "extra.pt does not match its checksum" in log and "resuming at step 2" in log
 
 
 def test_no_checkpoint_verifies_moves_the_run_aside(tiny):
     cfg = tiny("train.steps=2", "train.ckpt_every=2", "train.eval_every=1000")
-    train.run(cfg)
+    trainer.run(cfg)
     shard = Path(cfg.run_dir) / "checkpoints" / "step_00000002" / "__0_0.distcp"
     with open(shard, "r+b") as f:
         f.write(b"\0" * 64)
-    train.run(cfg)
+    trainer.run(cfg)
     log = (Path(cfg.run_dir) / "train.log").read_text()
     asides = list(Path(cfg.run_dir).parent.glob("run.replaced-*"))
     assert len(asides) == 1 and (asides[0] / "checkpoints" / "step_00000002").is_dir()
@@ -241,11 +241,11 @@ def test_no_checkpoint_verifies_moves_the_run_aside(tiny):
 
 
 def test_resume_false_never_mixes_two_runs(tiny, monkeypatch):
-    first = train.run(tiny("train.steps=3", "train.ckpt_every=1", "train.eval_every=1000"))
+    first = trainer.run(tiny("train.steps=3", "train.ckpt_every=1", "train.eval_every=1000"))
     second = ("seed=1", "train.steps=3", "train.ckpt_every=1", "train.eval_every=1000")
     run_killed_after_saving(tiny(*second, "resume=false"), 2, monkeypatch)
     cfg = tiny(*second)
-    summary = train.run(cfg)  # resumes the seed-1 run, not refused as "another seed"
+    summary = trainer.run(cfg)  # resumes the seed-1 run, not refused as "another seed"
     run_dir = Path(cfg.run_dir)
     assert "resuming at step 2" in (run_dir / "train.log").read_text()
     assert summary["steps"] == 3 and summary != first
@@ -257,14 +257,14 @@ def test_resume_false_never_mixes_two_runs(tiny, monkeypatch):
 
 def test_finished_run_started_again_writes_nothing(tiny, capsys):
     cfg = tiny("wandb.enabled=true", "wandb.mode=offline", "train.steps=2", "train.eval_every=1000")
-    summary = train.run(cfg)
+    summary = trainer.run(cfg)
     import wandb
 
     wandb.teardown()  # W&B's service finishes its own debug log after the run ends; stop it first
     run_dir = Path(cfg.run_dir)
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.rglob("*") if p.is_file()}
     capsys.readouterr()
-    assert train.run(cfg) == summary
+    assert trainer.run(cfg) == summary
     out = capsys.readouterr().out
     assert f"run {run_dir} is already finished (2 of 2 steps" in out and "summary.json" in out
     after = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.rglob("*") if p.is_file()}
@@ -280,11 +280,11 @@ def test_stop_request_before_the_run_starts_is_kept(tiny):
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
     (run_dir / STOP_FILE).touch()  # the sbatch trap fired before the trainer got going
-    with pytest.raises(train.Preempted):
-        train.run(cfg)
+    with pytest.raises(errors.Preempted):
+        trainer.run(cfg)
     assert (run_dir / REQUEUE_FILE).is_file() and not (run_dir / STOP_FILE).exists()
     assert checkpoint_steps(run_dir) == []  # nothing trained: the requeued job starts at step 0
-    assert train.run(cfg)["steps"] == 4
+    assert trainer.run(cfg)["steps"] == 4
 
 
 def test_sigterm_during_start_up_exits_for_requeue(data_cache, tmp_path):
@@ -318,8 +318,8 @@ def test_resaving_a_step_never_loses_it(tiny, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(ckpt.os, "replace", replace)
-        with pytest.raises(train.Preempted):
-            train.run(cfg)
+        with pytest.raises(errors.Preempted):
+            trainer.run(cfg)
     assert checkpoint_steps(run_dir) == [2, 4] and verify(run_dir / "checkpoints" / "step_00000004") is None
     assert "step 4: already checkpointed" in (run_dir / "train.log").read_text()
 
@@ -337,13 +337,13 @@ def test_ctrl_c_checkpoints_and_stops(tiny, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(TrainStep, "__call__", step_then_ctrl_c)
-        with pytest.raises(train.Interrupted, match=r"stopped by Ctrl-C before step 4: checkpointed step 3 to .*"
+        with pytest.raises(errors.Interrupted, match=r"stopped by Ctrl-C before step 4: checkpointed step 3 to .*"
                                                     r"Resume with the same command"):
-            train.run(cfg, handle_ctrl_c=True)
+            trainer.run(cfg, handle_ctrl_c=True)
     assert checkpoint_steps(cfg.run_dir) == [3]
     assert not (Path(cfg.run_dir) / REQUEUE_FILE).exists()
     assert signal.getsignal(signal.SIGINT) is callers_handler  # Ctrl-C is the caller's again
-    assert train.run(cfg)["steps"] == 6
+    assert trainer.run(cfg)["steps"] == 6
     assert "resuming at step 3" in (Path(cfg.run_dir) / "train.log").read_text()
 
 
@@ -360,7 +360,7 @@ def test_second_ctrl_c_stops_at_once(tiny, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(Tracker, "log", log_then_ctrl_c_twice)
         with pytest.raises(KeyboardInterrupt):
-            train.run(cfg, handle_ctrl_c=True)
+            trainer.run(cfg, handle_ctrl_c=True)
     assert checkpoint_steps(cfg.run_dir) == []
     assert max(read_metrics(cfg.run_dir)) == 3
 
@@ -433,8 +433,8 @@ def test_full_disk_is_named_and_leaves_no_partial_checkpoint(compose_train, data
     try:
         cfg = compose_train([*FAST, f"data.cache_dir={data_cache}", f"run_dir={mount / 'run'}",
                              "train.steps=6", "train.ckpt_every=2", "train.eval_every=1000"])
-        with pytest.raises(train.TrainingError) as info:
-            train.run(cfg)
+        with pytest.raises(errors.TrainingError) as info:
+            trainer.run(cfg)
         msg = str(info.value)
         assert re.search(r"no space left on the disk of .* while saving step 4: \d+ MiB free, the checkpoint "
                          r"needs about 18 MiB", msg), msg
@@ -461,6 +461,6 @@ def test_full_disk_is_named_and_leaves_no_partial_checkpoint(compose_train, data
 ], ids=["keep_-1", "keep_0", "micro_0", "tpp_-1", "steps_-5", "val_too_small"])
 def test_bad_settings_fail_before_training(tiny, override, message):
     cfg = tiny(override)
-    with pytest.raises((ValueError, train.TrainingError), match=message):
-        train.run(cfg)
+    with pytest.raises((ValueError, errors.TrainingError), match=message):
+        trainer.run(cfg)
     assert not (Path(cfg.run_dir) / "metrics.jsonl").exists()

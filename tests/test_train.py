@@ -1,4 +1,4 @@
-"""Tests of the trainer (train.py, training/): tiny CPU runs through ``train.run(cfg)``.
+"""Tests of the trainer (train.py, training/): tiny CPU runs through ``trainer.run(cfg)``.
 
 Runs use the tiny model on the bundled corpus (prepared once per pytest run, see conftest.py), 8
 sequences of 128 tokens per step, FP32 unless BF16 is the point, and a handful of steps: about
@@ -23,16 +23,15 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import quant
-import train
 from data.loader import val_batches
 from data.prepare import load_manifest, prepare_from_config
 from model import build_model
 from model.llama import Llama, RMSNorm
+from training import errors, identity, trainer
 from training.checkpoint import Checkpointer, read_extra
 from training.config_checks import ConfigError
-from training.optim import build_adamw, param_groups
+from training.optim import build_adamw, lr_at, param_groups
 from training.preemption import REQUEUE_FILE, STOP_FILE
-from training.schedule import lr_at
 from training.step import TrainStep, graph_blocker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +100,7 @@ def test_tiny_run_loss_falls(tiny):
     # 40 steps of 4×128 tokens: 20k tokens, 0.04 tokens per parameter.
     cfg = tiny("train.steps=40", "train.batch_size=4", "train.micro_batch_size=4", "train.eval_every=10",
                "train.eval_batches=2", "train.ckpt_every=1000")
-    summary = train.run(cfg)
+    summary = trainer.run(cfg)
     metrics = read_metrics(cfg.run_dir)
     assert sorted(metrics) == list(range(0, 41))
 
@@ -152,7 +151,7 @@ def interrupt(how: str, stop: int, monkeypatch: pytest.MonkeyPatch, run_dir: Pat
         return health
 
     monkeypatch.setattr(TrainStep, "__call__", step_then_request_stop)
-    return train.Preempted
+    return errors.Preempted
 
 
 @pytest.mark.parametrize("setting,interruptions", [
@@ -164,7 +163,7 @@ def test_resume_reproduces_uninterrupted_run(tiny, tmp_path, monkeypatch, settin
     common = [*setting, f"train.steps={steps}", "train.ckpt_every=3", "train.eval_every=3"]
 
     cfg_a = tiny(*common, run="a")
-    summary_a = train.run(cfg_a)
+    summary_a = trainer.run(cfg_a)
     metrics_a = read_metrics(cfg_a.run_dir)
     final_a = checkpoint_state(Path(cfg_a.run_dir) / "checkpoints" / f"step_{steps:08d}", tmp_path / "a.pt")
 
@@ -174,13 +173,13 @@ def test_resume_reproduces_uninterrupted_run(tiny, tmp_path, monkeypatch, settin
         with monkeypatch.context() as m:
             stopped = interrupt(how, stop, m, run_dir)
             with pytest.raises(stopped):
-                train.run(cfg_b)
+                trainer.run(cfg_b)
         assert checkpoint_steps(run_dir)[-1] == stop
         assert sorted(read_metrics(run_dir)) == list(range(0, stop + 1))
         if how == "preempt":
             assert (run_dir / REQUEUE_FILE).is_file()
 
-        summary_b = train.run(cfg_b)  # resume=true is the default
+        summary_b = trainer.run(cfg_b)  # resume=true is the default
         metrics_b = read_metrics(run_dir)
         assert sorted(metrics_b) == list(range(0, steps + 1))
         assert f"resuming at step {stop}" in (run_dir / "train.log").read_text()
@@ -195,7 +194,7 @@ def test_resume_reproduces_uninterrupted_run(tiny, tmp_path, monkeypatch, settin
         assert not (run_dir / STOP_FILE).exists() and not (run_dir / REQUEUE_FILE).exists()
 
     # Resuming a finished run trains nothing more and reports the same result.
-    assert train.run(cfg_b) == summary_a
+    assert trainer.run(cfg_b) == summary_a
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps + 1
 
 
@@ -207,12 +206,12 @@ def test_resume_reproduces_uninterrupted_run(tiny, tmp_path, monkeypatch, settin
 ])
 def test_resume_refuses_checkpoint_of_another_config(tiny, change, key, old, new):
     cfg = tiny("train.steps=1")
-    train.run(cfg)
+    trainer.run(cfg)
     saved = checkpoint_steps(cfg.run_dir)
     assert saved == [1]
 
     with pytest.raises(ValueError) as info:
-        train.run(tiny("train.steps=1", change))
+        trainer.run(tiny("train.steps=1", change))
     msg = str(info.value)
     differing = re.findall(r"([\w.]+): (\S+) in the checkpoint, (\S+) now", msg)
     assert differing == [(key, repr(old), repr(new))], msg
@@ -236,8 +235,8 @@ def test_nan_loss_stops_with_last_good_checkpoint(tiny, monkeypatch):
 
     monkeypatch.setattr(Llama, "forward", forward)
     cfg = tiny("train.steps=8", "train.ckpt_every=2", "train.eval_every=1000")
-    with pytest.raises(train.TrainingError) as info:
-        train.run(cfg)
+    with pytest.raises(errors.TrainingError) as info:
+        trainer.run(cfg)
     msg = str(info.value)
     last_good = Path(cfg.run_dir) / "checkpoints" / f"step_{good_steps:08d}"
     assert "nan" in msg.lower()
@@ -266,7 +265,7 @@ def wandb_inspect(run_folder: Path, *flags: str) -> str:
 def test_wandb_offline_run_holds_the_logged_metrics(tiny):
     cfg = tiny("wandb.enabled=true", "wandb.mode=offline", "train.steps=4", "train.eval_every=2",
                "train.log_every=2")
-    summary = train.run(cfg)
+    summary = trainer.run(cfg)
     metrics = read_metrics(cfg.run_dir)
     folders = list((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))
     assert len(folders) == 1, folders
@@ -299,15 +298,15 @@ def test_token_budget_in_steps(compose_train):
     cfg = compose_train(["train.tokens_per_param=100", "train.batch_size=16", "train.seq_len=128"])
     tokens_per_step = 16 * 128
     n = build_model(cfg.model, device="meta").num_params(non_embedding=True)
-    assert train.total_steps(cfg, n) == math.ceil(100 * n / tokens_per_step)
-    assert train.total_steps(cfg, tokens_per_step) == 100  # exact: no extra step
-    assert train.total_steps(cfg, tokens_per_step + 1) == 101  # a partial step rounds up
-    assert train.total_steps(compose_train(["train.tokens_per_param=100", "model=1.9b"]), 1_644_300_288) \
+    assert identity.total_steps(cfg, n) == math.ceil(100 * n / tokens_per_step)
+    assert identity.total_steps(cfg, tokens_per_step) == 100  # exact: no extra step
+    assert identity.total_steps(cfg, tokens_per_step + 1) == 101  # a partial step rounds up
+    assert identity.total_steps(compose_train(["train.tokens_per_param=100", "model=1.9b"]), 1_644_300_288) \
         == math.ceil(100 * 1_644_300_288 / (16 * 128))
 
-    assert train.total_steps(compose_train(["train.steps=123"]), n) == 123
-    with pytest.raises(train.TrainingError, match="train.steps=N or train.tokens_per_param=T"):
-        train.total_steps(compose_train(["train.steps=0"]), n)
+    assert identity.total_steps(compose_train(["train.steps=123"]), n) == 123
+    with pytest.raises(errors.TrainingError, match="train.steps=N or train.tokens_per_param=T"):
+        identity.total_steps(compose_train(["train.steps=0"]), n)
 
 
 def test_token_budget_drives_the_run(tiny):
@@ -316,7 +315,7 @@ def test_token_budget_drives_the_run(tiny):
     n = build_model(cfg.model, device="meta").num_params(non_embedding=True)
     expected = math.ceil(0.003 * n / 1024)
     assert expected == 2
-    summary = train.run(cfg)
+    summary = trainer.run(cfg)
     assert summary["steps"] == expected and summary["non_embedding_params"] == n
     assert sorted(read_metrics(cfg.run_dir)) == [0, 1, 2]
     assert cfg.run_name == "tiny-quartet2-0.003tpp-s0"
@@ -344,7 +343,7 @@ def test_weight_decay_on_linear_weights_only(compose_train):
     cfg = compose_train(["quant=quartet2"])
     model = build_model(cfg.model, device="cpu")
     quant.quantize_model(model, quant.scheme_from_config(cfg.quant),
-                         skip=train.skip_patterns(cfg.quant, cfg.model.n_layer))
+                         skip=trainer.skip_patterns(cfg.quant, cfg.model.n_layer))
     decay, no_decay = param_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     decayed = {id(p) for p in decay["params"]}
@@ -378,7 +377,7 @@ def test_weight_decay_on_linear_weights_only(compose_train):
 def test_bad_inputs_fail_with_clear_errors(tiny, override, error, message):
     cfg = tiny(override)
     with pytest.raises(error, match=message):
-        train.run(cfg)
+        trainer.run(cfg)
     assert checkpoint_steps(cfg.run_dir) == []
 
 
@@ -406,8 +405,8 @@ def test_compiled_blocks_train_like_eager(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     overrides = ("precision=fp32", "train.steps=2", "train.batch_size=4", "train.micro_batch_size=4",
                  "train.eval_batches=1", "train.ckpt_every=1000", "quant.backward=false")
-    eager = train.run(tiny(*overrides, run="eager"))
-    compiled = train.run(tiny(*overrides, "compile=true", run="compiled"))
+    eager = trainer.run(tiny(*overrides, run="eager"))
+    compiled = trainer.run(tiny(*overrides, "compile=true", run="compiled"))
     a, b = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
     for step in (1, 2):
         assert b[step]["train/loss"] == pytest.approx(a[step]["train/loss"], rel=1e-4)
@@ -436,12 +435,12 @@ def test_graph_blocker_names_each_reason():
 @pytest.mark.parametrize("key,value", [("cuda_graph", "yes"), ("parallel.fsdp", "false")])
 def test_graph_and_fsdp_settings_are_checked(tiny, key, value):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        train.run(tiny(f"{key}={value}"))
+        trainer.run(tiny(f"{key}={value}"))
 
 
 def test_cuda_graph_true_where_it_cannot_run_names_why(tiny):
-    with pytest.raises(train.TrainingError, match=r"cuda_graph=true.*runs on cpu.*cuda_graph=auto"):
-        train.run(tiny("cuda_graph=true"))
+    with pytest.raises(errors.TrainingError, match=r"cuda_graph=true.*runs on cpu.*cuda_graph=auto"):
+        trainer.run(tiny("cuda_graph=true"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the step graph needs a CUDA GPU")
@@ -454,7 +453,7 @@ def test_replayed_step_graph_trains_the_same_bits_as_eager_steps(tiny):
     losses = {}
     for graph in ("true", "false"):
         cfg = tiny(*common, f"cuda_graph={graph}", run=f"graph-{graph}")
-        train.run(cfg)
+        trainer.run(cfg)
         rows = read_metrics(cfg.run_dir)
         losses[graph] = [(s, r.get("train/loss"), r.get("val/loss")) for s, r in sorted(rows.items())]
     assert losses["true"] == losses["false"]

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import flatten, select
+from .identity import BUDGET_KEYS
 from .run_dir import read_metrics, val_losses
 
 BASELINE_SCHEME = "bf16"
-MATCH_KEYS = ("model", "data.name", "train.tokens_per_param", "train.steps", "train.batch_size", "train.seq_len",
-              "seed")
+MATCH_KEYS = ("model", "data.name", *BUDGET_KEYS, "train.batch_size", "train.seq_len", "seed")
 """What a baseline shares with the run (``train.steps`` only when the budget is in steps)."""
 CONFIG_FILE = "config.json"
 """The resolved config a run writes into its directory when it starts."""

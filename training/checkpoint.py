@@ -12,6 +12,10 @@ writes ``extra.pt`` and ``COMPLETE`` and renames the directory. A step that alre
 that verifies is not written again, so no window exists in which that step is missing. A failed
 save (a full disk, say) removes its partial directory and says why.
 
+Consolidation: :func:`export` writes a checkpoint, or a run directory's newest one that verifies
+(:func:`resolve_checkpoint`), as one ``torch.save`` file for evaluation and export
+(scripts/export_checkpoint.py, scripts/export_hf.py, :mod:`inference.trained_model`).
+
 Loading: :meth:`Checkpointer.newest_verified` checks every file of a checkpoint against its
 manifest (the ranks share the hashing) and falls back to the next older one, naming each it
 skipped and why. ``extra.pt`` is read with ``torch.load(weights_only=True)``, which unpickles only
@@ -25,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterable
@@ -36,7 +41,10 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
+from quant import randomness
+
 from .distributed import all_gather_objects, barrier, rank_and_world
+from .identity import BUDGET_KEYS
 
 # DCP warns once per save that it runs without a process group; that is the intended one-process mode.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -50,7 +58,7 @@ MANIFEST = "COMPLETE"
 EXTRA = "extra.pt"
 
 FINGERPRINT_KEYS = ("model", "quant", "optim", "precision", "train.seq_len", "train.batch_size",
-                    "train.micro_batch_size", "train.steps", "train.tokens_per_param", "seed", "world_size")
+                    "train.micro_batch_size", *BUDGET_KEYS, "seed", "world_size")
 """Config entries a checkpoint must agree with to be resumed: the model, the scheme, everything
 that fixes the learning-rate schedule, the data order and the arithmetic (precision, micro-batch
 size), and the world size (see ``parallel.allow_reshard``)."""
@@ -210,6 +218,34 @@ def nonfinite_entries(state: Any, prefix: str = "") -> list[str]:
 
 
 @dataclass
+class TrainState:
+    """What a resumed run needs besides the model and optimizer shards to continue bit-identically:
+    the step, the data loader's position, the quantizers' and torch's RNG states (read when the
+    checkpoint is taken), the W&B run id, the config fingerprint and resolved config, and the last
+    validation loss. :meth:`extra` is what ``extra.pt`` holds."""
+
+    step: int
+    loader: Any  # data.loader.TokenLoader: state_dict() / load_state_dict()
+    fingerprint: dict[str, Any]
+    config: dict[str, Any]
+    wandb_run_id: str | None = None
+    val_loss: float | None = None
+
+    def extra(self) -> dict[str, Any]:
+        """The state as ``extra.pt`` stores it."""
+        return {"step": self.step, "loader": self.loader.state_dict(), "quant_rng": randomness.state_dict(),
+                "torch_rng": torch.get_rng_state(), "wandb_run_id": self.wandb_run_id,
+                "fingerprint": self.fingerprint, "config": self.config, "val_loss": self.val_loss}
+
+    def restore(self, extra: dict[str, Any], rank: int) -> None:
+        """Continue from a checkpoint's ``extra`` on ``rank`` (the quantizer streams are per rank)."""
+        self.loader.load_state_dict(extra["loader"])
+        randomness.load_state_dict({**extra["quant_rng"], "rank": rank})
+        torch.set_rng_state(extra["torch_rng"])
+        self.step, self.wandb_run_id, self.val_loss = extra["step"], extra["wandb_run_id"], extra.get("val_loss")
+
+
+@dataclass
 class Saved:
     """What :meth:`Checkpointer.save` did: the path, bytes written (0 when the step already had a
     verified checkpoint) and seconds taken (the wait for an asynchronous save comes later)."""
@@ -276,22 +312,25 @@ class Checkpointer:
             skipped.append((path, problems[0]))
         return None, skipped
 
-    def save(self, step: int, model, optimizer, extra: dict[str, Any], force_sync: bool = False) -> Saved:
-        """Save model and optimizer shards plus ``extra``; asynchronous if configured.
+    def save(self, step: int, model, optimizer, state: TrainState | dict[str, Any],
+             force_sync: bool = False) -> Saved:
+        """Save model and optimizer shards plus the trainer ``state`` (or a bare ``extra`` dict,
+        as tools write it); asynchronous if configured.
 
         Raises :class:`CheckpointError` when the state holds a non-finite value (nothing is
         written) or the write fails (the partial directory is removed)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        extra = state.extra() if isinstance(state, TrainState) else state
         self.wait()
         t0 = time.perf_counter()
         final = self.directory / f"step_{step:08d}"
         if all_gather_objects(is_complete(final))[0] and not any(all_gather_objects(verify(final, rank_and_world()))):
             return Saved(final, 0, time.perf_counter() - t0)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        bad = [n for names in all_gather_objects(nonfinite_entries(state)) for n in names]
+        shards = {"model": model_sd, "optim": optim_sd}
+        bad = [n for names in all_gather_objects(nonfinite_entries(shards)) for n in names]
         if bad:
             shown = ", ".join(sorted(set(bad))[:5]) + (" …" if len(set(bad)) > 5 else "")
             raise CheckpointError(
@@ -303,12 +342,12 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()
-        nbytes = _state_nbytes(state)
+        nbytes = _state_nbytes(shards)
         try:
             if self.async_save and not force_sync:
-                self._pending = (dcp.async_save(state, checkpoint_id=str(tmp)), tmp, final, extra, nbytes)
+                self._pending = (dcp.async_save(shards, checkpoint_id=str(tmp)), tmp, final, extra, nbytes)
             else:
-                dcp.save(state, checkpoint_id=str(tmp))
+                dcp.save(shards, checkpoint_id=str(tmp))
                 self._finalize(tmp, final, extra)
         except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
             self._fail(step, tmp, nbytes, err)
@@ -402,3 +441,65 @@ def _is_no_space(err: BaseException) -> bool:
         if isinstance(failures, dict):
             stack += list(failures.values())
     return False
+
+
+# ----------------------------------------------------------------------------- consolidation
+
+
+def _newest_in(checkpoints: Path) -> str:
+    """A sentence naming the newest complete checkpoint in ``checkpoints``, or "" when none."""
+    newest, _ = Checkpointer(checkpoints).newest_verified()
+    return f" The newest complete checkpoint in {checkpoints} is {newest}." if newest else ""
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The complete checkpoint directory that ``path`` names: ``path`` itself when it is one, or
+    the newest complete checkpoint of the run directory ``path`` (in ``path/checkpoints/``).
+
+    FileNotFoundError when ``path`` does not exist or a run directory has no complete
+    checkpoint; ValueError when ``path`` is an incomplete checkpoint or neither kind of directory.
+    Each message names the newest complete checkpoint nearby, when there is one.
+    """
+    usage = "pass runs/<run> (its newest complete checkpoint) or runs/<run>/checkpoints/step_XXXXXXXX"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist. Fix: {usage}.{_newest_in(path.parent)}")
+    problem = verify(path)
+    if problem is None:
+        return path
+    if (path / "checkpoints").is_dir():
+        newest, _ = Checkpointer(path / "checkpoints").newest_verified()
+        if newest is None:
+            raise FileNotFoundError(
+                f"the run directory {path} has no complete checkpoint in {path / 'checkpoints'} "
+                f"(training saves one every train.ckpt_every steps and at the end). Fix: let the "
+                f"run reach a checkpoint, or pass another run."
+            )
+        return newest
+    if path.name.startswith("step_"):
+        raise ValueError(
+            f"{path} is not a complete checkpoint: {problem}. Fix: "
+            f"{usage}, one that training finished writing.{_newest_in(path.parent)}"
+        )
+    raise ValueError(
+        f"{path} is neither a checkpoint (step_XXXXXXXX with a COMPLETE manifest) nor a run "
+        f"directory (with a checkpoints/ folder). Fix: {usage}.{_newest_in(path)}"
+    )
+
+
+def export(checkpoint: Path, out: Path) -> Path:
+    """Consolidate ``checkpoint`` (a checkpoint or a run directory, see
+    :func:`resolve_checkpoint`) into one ``torch.save`` file ``out``, in one process on CPU
+    whatever the world size that wrote it: ``{"model": state_dict, "config": resolved run config,
+    "step": step}``. The state dict has ``nn.Linear``-compatible keys, so it loads into
+    ``model.build_model(config["model"])`` with or without ``quant.quantize_model``. Returns ``out``."""
+    checkpoint = resolve_checkpoint(Path(checkpoint))
+    extra = read_extra(checkpoint)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        full = Path(tmp) / "full.pt"
+        dcp_to_torch_save(checkpoint, full)
+        state = torch.load(full, map_location="cpu", weights_only=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": state["model"], "config": extra["config"], "step": extra["step"]}, out)
+    return out

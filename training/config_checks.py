@@ -3,17 +3,10 @@ the fix (the loop would otherwise fail late, or train something other than what 
 
 from __future__ import annotations
 
-from typing import Any
-
 from omegaconf import DictConfig
 
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message names the key, its value and the fix."""
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+from .errors import ConfigError
+from .identity import check_budget, positive_int
 
 
 def check_train_config(cfg: DictConfig, world_size: int) -> None:
@@ -22,24 +15,11 @@ def check_train_config(cfg: DictConfig, world_size: int) -> None:
     t = cfg.train
     for key in ("seq_len", "batch_size", "micro_batch_size", "log_every", "eval_every", "ckpt_every",
                 "eval_batches", "eval_batch_size"):
-        if not _positive_int(t[key]):
+        if not positive_int(t[key]):
             raise ConfigError(f"train.{key}={t[key]} must be a whole number ≥ 1. Fix: set train.{key}=N with N ≥ 1.")
-    if t.tokens_per_param is not None:
-        if not isinstance(t.tokens_per_param, (int, float)) or not t.tokens_per_param > 0:
-            raise ConfigError(
-                f"train.tokens_per_param={t.tokens_per_param} must be a positive number of tokens per "
-                f"parameter (the paper uses 25 to 800). Fix: train.tokens_per_param=T with T > 0, or "
-                f"train.tokens_per_param=null and a step count train.steps=N."
-            )
-    elif t.steps is None:
-        raise ConfigError("set a token budget: train.steps=N or train.tokens_per_param=T")
-    elif not _positive_int(t.steps):
-        raise ConfigError(
-            f"train.steps={t.steps} must be a positive number of optimizer steps. Fix: train.steps=N "
-            f"with N ≥ 1, or a budget in tokens per parameter, train.tokens_per_param=T."
-        )
+    check_budget(t.steps, t.tokens_per_param)
     keep = t.keep_checkpoints
-    if keep is not None and not _positive_int(keep):
+    if keep is not None and not positive_int(keep):
         raise ConfigError(
             f"train.keep_checkpoints={keep} would delete every checkpoint. Fix: a number ≥ 1 (the "
             f"newest N are kept), or train.keep_checkpoints=null to keep all."

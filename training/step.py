@@ -2,9 +2,9 @@
 
 A step is: for each micro-batch, set the quantizers' step key (``quant.randomness``), forward
 under BF16 autocast and backward; then the mean loss over ranks, gradient clipping, AdamW and the
-step's *health vector* ``[loss, gradient norm, max |p|]`` (:mod:`training.health`). The step
+step's *health vector* ``[loss, gradient norm, max |p|]`` (:func:`param_max_abs`). The step
 returns the health vector on the device and never waits for the GPU: the trainer reads the
-vectors of several steps at once, on log, validation and checkpoint steps (train.py).
+vectors of several steps at once, on log, validation and checkpoint steps (training/trainer.py).
 
 With ``cuda_graph`` the whole step (every micro-batch, clipping, AdamW) is captured once in a CUDA
 graph after :data:`WARMUP_STEPS` eager steps, and later steps replay it: a small model's step then
@@ -12,22 +12,29 @@ costs no host time per kernel (``torch.compile`` alone still launches each kerne
 What changes between steps reaches the graph as data: the batch is copied into static input
 buffers, the learning rate into AdamW's tensor ``lr``, and each micro-step's Philox key into the
 quantizers' step key (:func:`quant.randomness.step_key`), so a replay computes exactly the step
-that an eager call would. :func:`graph_blocker` says when a graph cannot be used.
+that an eager call would. :func:`graph_blocker` says when a graph cannot be used, and
+:func:`choose_cuda_graph` applies the ``cuda_graph`` setting.
+
+The health check (:class:`PendingHealth`): a non-finite loss, gradient norm or parameter stops
+the run at the step where it appears, before anything is saved or logged for that step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import get_total_norm
 
 from quant import backend as quant_backend
 from quant import randomness
 
-from .distributed import all_reduce_mean
-from .health import param_max_abs
+from .distributed import all_reduce_max, all_reduce_mean
+from .errors import ConfigError
 
 WARMUP_STEPS = 2
 """Eager steps before the capture: the first compiles the kernels and ``torch.compile``'s
@@ -52,6 +59,79 @@ def graph_blocker(device: torch.device, fsdp: bool, compile_mode: str, scheme_na
         if quant_backend.get_draws() != "philox":
             return "NVFP4_DRAWS=torch draws the kernels' uniforms from host-seeded generators"
     return None
+
+
+def choose_cuda_graph(setting: Any, device: torch.device, fsdp: bool, compile: bool, compile_mode: str,
+                      scheme_name: str) -> tuple[bool, str | None]:
+    """Whether each step replays as one CUDA graph under ``cuda_graph=setting`` (auto, true or
+    false), and the line that tells the user which and why (None off CUDA). ``auto`` captures
+    compiled steps wherever :func:`graph_blocker` allows; ``true`` forces a capture, and is refused
+    (:class:`ConfigError`, with the fix) where the step cannot be captured."""
+    blocker = graph_blocker(device, fsdp, compile_mode if compile else "default", scheme_name)
+    if setting is True and blocker:
+        raise ConfigError(f"cuda_graph=true, but the step cannot be one CUDA graph here: {blocker}. "
+                          f"Fix: cuda_graph=auto (or false).")
+    if setting == "auto" and blocker is None and not compile:
+        blocker = "compile=false (cuda_graph=auto captures compiled steps; cuda_graph=true forces it)"
+    use = setting is True or (setting == "auto" and blocker is None)
+    line = None
+    if setting == "auto" and device.type == "cuda":
+        line = ("each step replays as one CUDA graph (cuda_graph=auto)" if use else
+                f"steps run without a CUDA graph: {blocker}")
+    return use, line
+
+
+def param_max_abs(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """max |p| over the parameters, over all ranks' shards: finite exactly when every parameter
+    is (NaN propagates through the max). One fused pass, no host synchronisation."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    local = [t.detach() for t in local if t.numel()]
+    return all_reduce_max(get_total_norm(local, norm_type=math.inf, foreach=True).float())
+
+
+def first_nonfinite(loss: float, grad_norm: float, param_max: float) -> str | None:
+    """What went non-finite first in a step, in the order it is computed, or None."""
+    if not math.isfinite(loss):
+        return f"the training loss is {loss}"
+    if not math.isfinite(grad_norm):
+        return f"the gradient norm is {grad_norm} (the loss, {loss:.4f}, is finite)"
+    if not math.isfinite(param_max):
+        return "a parameter is non-finite after the optimizer step (loss and gradient norm are finite)"
+    return None
+
+
+class NonFinite(Exception):
+    """Step ``step`` (0-based) went non-finite: ``problem`` says what (:func:`first_nonfinite`)."""
+
+    def __init__(self, step: int, problem: str) -> None:
+        super().__init__(f"{problem} at step {step + 1}")
+        self.step, self.problem = step, problem
+
+
+class PendingHealth:
+    """The health vectors of the steps run but not yet read: the trainer reads them all at once
+    (one wait for the GPU) on log, validation and checkpoint steps."""
+
+    def __init__(self) -> None:
+        self.unread: list[tuple[int, float, torch.Tensor]] = []
+
+    def add(self, step: int, lr: float, health: torch.Tensor) -> None:
+        self.unread.append((step, lr, health))
+
+    def read(self) -> list[tuple[int, dict[str, float]]]:
+        """``(step, {train/loss, train/lr, train/grad_norm})`` of each unread step, oldest first;
+        :class:`NonFinite` at the first step that has a non-finite value, before any row of it
+        or a later step is returned."""
+        if not self.unread:
+            return []
+        values = torch.stack([h for _, _, h in self.unread]).tolist()
+        rows = []
+        for (step, lr, _), (train_loss, norm, param_max) in zip(self.unread, values):
+            if problem := first_nonfinite(train_loss, norm, param_max):
+                raise NonFinite(step, problem)
+            rows.append((step, {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": norm}))
+        self.unread.clear()
+        return rows
 
 
 class TrainStep:

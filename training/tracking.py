@@ -1,17 +1,90 @@
 """Logging of a run: plain log lines (file + stdout), a progress bar on terminals, a local metrics
-file (``metrics.jsonl``) and Weights & Biases."""
+file (``metrics.jsonl``) and Weights & Biases; and the throughput, MFU and memory metrics that the
+log lines carry (:class:`Throughput`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import resource
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
 log = logging.getLogger("train")
+
+# Dense BF16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets.
+BF16_PEAK_FLOPS = {
+    "B200": 2.25e15,
+    "B100": 1.75e15,
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+}
+
+
+def bf16_peak_flops(device: torch.device, override: float | None = None) -> float | None:
+    """The BF16 peak of ``device`` (FLOP/s), ``override`` if given, or None if unknown (CPU)."""
+    if override:
+        return float(override)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in BF16_PEAK_FLOPS.items():
+        if key in name:
+            return flops
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_second: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation against the BF16 peak: ``flops_per_token · tokens/s / peak``."""
+    return None if not peak else flops_per_token * tokens_per_second / peak
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory on CUDA; peak resident set size of the process on CPU (GiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class Throughput:
+    """The ``perf/`` metrics of a log line, over the steps since the previous one: tokens/s (all
+    ranks, and per rank), MFU against the BF16 peak (:func:`mfu`), peak memory and the time left."""
+
+    def __init__(self, device: torch.device, flops_per_token: float, world_size: int, tokens_per_step: int,
+                 peak_flops: float | None = None) -> None:
+        self.device, self.flops_per_token, self.world_size = device, flops_per_token, world_size
+        self.tokens_per_step, self.peak = tokens_per_step, bf16_peak_flops(device, peak_flops)
+        self.restart()
+
+    def restart(self) -> None:
+        """Count from now (after a log line)."""
+        self.t0, self.tokens = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self.tokens += self.tokens_per_step
+
+    def metrics(self, steps_left: int) -> dict[str, Any]:
+        """The metrics since :meth:`restart`; call after the GPU has caught up."""
+        tps = self.tokens / (time.perf_counter() - self.t0)
+        return {
+            "perf/tokens_per_s": tps,
+            "perf/tokens_per_s_per_rank": tps / self.world_size,
+            "perf/mfu_vs_bf16_peak": mfu(self.flops_per_token, tps / self.world_size, self.peak),
+            "perf/peak_memory_gib": peak_memory_gib(self.device),
+            "perf/eta_min": steps_left * self.tokens_per_step / tps / 60,
+        }
 
 
 def wandb_mode(requested: str) -> str:

@@ -15,7 +15,7 @@ import torch
 
 from data.prepare import REPO_ROOT, dataset_dir
 from model.llama import Llama, build_model
-from scripts.export_checkpoint import export, resolve_checkpoint
+from training.checkpoint import export, resolve_checkpoint
 
 KINDS = ("a run directory, a checkpoints/step_XXXXXXXX directory, a consolidated .pt from "
          "scripts/export_checkpoint.py, or an exported Hugging Face folder (config.json and "
@@ -44,7 +44,7 @@ def read_consolidated(path: Path) -> dict[str, Any]:
 
 
 def consolidate(path: Path) -> dict[str, Any]:
-    """The consolidated dict of a run or DCP checkpoint directory, via scripts/export_checkpoint.py."""
+    """The consolidated dict of a run or DCP checkpoint directory (:func:`training.checkpoint.export`)."""
     try:
         checkpoint = resolve_checkpoint(path)
     except ValueError as err:

@@ -1,0 +1,1 @@
+"""Trained models back from disk for inference: generation, lm-eval and export (scripts/)."""
