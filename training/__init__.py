@@ -1,1 +1,1 @@
-"""What train.py needs around its loop: schedule, optimizer groups, checkpoints, metrics, tracking."""
+"""The trainer (training/trainer.py) and its parts: the step, validation, checkpoints, tracking, stops."""
