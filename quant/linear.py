@@ -10,7 +10,7 @@ Each GEMM ``A · Bᵀ`` (forward ``X Wᵀ``, dgrad ``E W``, wgrad ``Eᵀ X``; SP
 4. multiply the exact ``q · s_block`` values (exact in BF16 too) accumulating in FP32, multiply
    the FP32 sum by the product of the two FP32 tensor scales in FP32, and round once to the
    compute dtype (:func:`_product`), as the NVFP4 GEMM's epilogue does (``α = s_A · s_B``,
-   ``D = round(α · acc)``; cuBLASLt, and :mod:`quant.scaled_mm_sim`). An operand under post hoc
+   ``D = round(α · acc)``; cuBLASLt, and :mod:`quant.native.scaled_mm_sim`). An operand under post hoc
    range alignment (SPEC §2), whose tensor scale is a power of two, carries it in its values,
    ``(q · s_block) · s_tensor``: the same product as long as the values stay in BF16's normal
    range (above 2^-126), and the kernels then write the values in their first pass
@@ -128,7 +128,7 @@ def _product(a: Factor, b: Factor, dtype: torch.dtype, out_dtype: torch.dtype | 
     ``out_dtype`` (default ``dtype``; a wider one holds the rounded value exactly).
 
     What NVFP4 hardware computes (cuBLASLt's block-scaled GEMM, simulated by
-    :func:`quant.scaled_mm_sim.simulate_scaled_mm`): the products of the exact ``q · s_block``
+    :func:`quant.native.scaled_mm_sim.simulate_scaled_mm`): the products of the exact ``q · s_block``
     values summed in FP32, ``α = s_A · s_B`` in FP32, ``α · acc`` in FP32, one rounding to the
     output dtype. This function computes the same, and differs only in the order of the FP32
     accumulation (cuBLAS's or the CPU's, not the tensor cores' K-blocked order). Without tensor

@@ -1,5 +1,5 @@
-"""The cuBLAS/torch NVFP4 block-scale layout (quant.scale_layout) and the scaled-matmul
-simulator (quant.scaled_mm_sim), on CPU."""
+"""The cuBLAS/torch NVFP4 block-scale layout (quant.native.scale_layout) and the scaled-matmul
+simulator (quant.native.scaled_mm_sim), on CPU."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import torch
 from quant.factor import Factor
 from quant.format import E2M1_MAX, E4M3_MAX, PackedNVFP4
 from quant.linear import _product
-from quant.quantizers import quantize_rtn, quantize_rtn_2d
-from quant.scale_layout import (
+from quant.native.scale_layout import (
     native_operands,
     pad_scales,
     padded_shape,
     swizzle_scales,
     unswizzle_scales,
 )
-from quant.scaled_mm_sim import _block_scaled, round_once, simulate_scaled_mm
+from quant.native.scaled_mm_sim import _block_scaled, round_once, simulate_scaled_mm
+from quant.quantizers import quantize_rtn, quantize_rtn_2d
 
 SHAPES = [(200, 3), (128, 4), (130, 5), (256, 8), (1, 1), (300, 9)]
 
