@@ -10,7 +10,7 @@ Each GEMM ``A · Bᵀ`` (forward ``X Wᵀ``, dgrad ``E W``, wgrad ``Eᵀ X``; SP
 4. multiply the exact ``q · s_block`` values (exact in BF16 too) accumulating in FP32, multiply
    the FP32 sum by the product of the two FP32 tensor scales in FP32, and round once to the
    compute dtype (:func:`_product`), as the NVFP4 GEMM's epilogue does (``α = s_A · s_B``,
-   ``D = round(α · acc)``; cuBLASLt, and :mod:`quant.scaled_mm_sim`). An operand under post hoc
+   ``D = round(α · acc)``; cuBLASLt, and :mod:`quant.native.scaled_mm_sim`). An operand under post hoc
    range alignment (SPEC §2), whose tensor scale is a power of two, carries it in its values,
    ``(q · s_block) · s_tensor``: the same product as long as the values stay in BF16's normal
    range (above 2^-126), and the kernels then write the values in their first pass
@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import backend, randomness
+from .factor import Factor
 from .format import GROUP, NVFP4Tensor, PackedNVFP4
 from .hadamard import random_signs, rotate
 from .quantizers import amax_of, quantize_ms_eden, quantize_rtn, quantize_rtn_2d, quantize_sr
@@ -40,30 +41,6 @@ from .schemes import Gemm, Operand, Scheme, get_scheme
 # Slots of the delayed-amax buffer: (GEMM, operand) → index.
 _AMAX_SLOT = {("forward", "a"): 0, ("forward", "b"): 1, ("dgrad", "a"): 2,
               ("dgrad", "b"): 3, ("wgrad", "a"): 4, ("wgrad", "b"): 5}
-
-
-@dataclass
-class _Factor:
-    """A GEMM operand as ``values · scale``: ``values`` (rows × reduction) and an FP32 tensor
-    scale, or ``scale=None`` for a plain high-precision tensor. A saved operand keeps its
-    ``packed`` form (``transposed``: the factor is its transpose), which native GEMMs read."""
-
-    values: torch.Tensor
-    scale: torch.Tensor | None = None
-    packed: PackedNVFP4 | None = None
-    transposed: bool = False
-
-    def dense(self) -> torch.Tensor:
-        v = self.values.float()
-        return v if self.scale is None else v * self.scale
-
-    @property
-    def T(self) -> _Factor:
-        return _Factor(self.values.t(), self.scale, self.packed, not self.transposed)
-
-    @classmethod
-    def of(cls, t: NVFP4Tensor) -> _Factor:
-        return cls(t.scaled_values(), t.tensor_scale)
 
 
 def _amax(x: torch.Tensor, delayed: torch.Tensor | None, slot: int) -> torch.Tensor | None:
@@ -94,7 +71,7 @@ def uniforms(rng: torch.Generator | PhiloxStream, shape: tuple[int, ...], mode: 
 
 
 def _quantize(
-    src: _Factor,
+    src: Factor,
     op: Operand,
     signs: torch.Tensor | None,
     rng: torch.Generator | PhiloxStream | None,
@@ -102,7 +79,7 @@ def _quantize(
     delayed: torch.Tensor | None,
     slot: int,
     pack: bool = False,
-) -> tuple[_Factor, NVFP4Tensor | None]:
+) -> tuple[Factor, NVFP4Tensor | None]:
     """Rotate (if ``signs``) and quantize one operand along its last dim, drawing from ``rng``.
 
     On the Triton backend (:mod:`quant.backend`) the fused kernels do it (same draws; the
@@ -111,7 +88,7 @@ def _quantize(
         return src, None
     family = ("eden" if op.quantizer == "ms_eden" else "rht" if signs is not None
               else "sr" if op.quantizer == "sr" else "rtn")
-    if type(src) is not _Factor or backend.use_triton(src.values, family):
+    if type(src) is not Factor or backend.use_triton(src.values, family):
         from .kernels.dispatch import quantize_factor
 
         return quantize_factor(src, op, signs, rng, rotation, delayed, slot, pack)
@@ -119,7 +96,7 @@ def _quantize(
     if signs is not None:
         x = rotate(x, signs)
     if op.quantizer == "none":
-        return _Factor(x), None
+        return Factor(x), None
     amax = None if op.posthoc else _amax(x, delayed, slot)  # post hoc alignment needs no amax
     if op.quantizer == "rtn":
         q = quantize_rtn(x, four_over_six=op.four_over_six, amax=amax)
@@ -132,8 +109,8 @@ def _quantize(
         u = uniforms(rng, (*x.shape[:-1], x.shape[-1] // GROUP), "ms_eden", x.device)
         q = quantize_ms_eden(x, u, chunk=rotation, amax=amax, posthoc=op.posthoc, correction=op.eden_correction)
         if op.posthoc:  # a power-of-two tensor scale: the values carry it (step 4 below)
-            return _Factor(q.dequantize()), q
-    return _Factor.of(q), q
+            return Factor(q.dequantize()), q
+    return Factor.of(q), q
 
 
 def _fp32_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -146,12 +123,12 @@ def _fp32_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch
     return F.linear(a.float(), b.float())
 
 
-def _product(a: _Factor, b: _Factor, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _product(a: Factor, b: Factor, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``(a.values · b.valuesᵀ) · (a.scale · b.scale)`` rounded once to ``dtype``, returned in
     ``out_dtype`` (default ``dtype``; a wider one holds the rounded value exactly).
 
     What NVFP4 hardware computes (cuBLASLt's block-scaled GEMM, simulated by
-    :func:`quant.scaled_mm_sim.simulate_scaled_mm`): the products of the exact ``q · s_block``
+    :func:`quant.native.scaled_mm_sim.simulate_scaled_mm`): the products of the exact ``q · s_block``
     values summed in FP32, ``α = s_A · s_B`` in FP32, ``α · acc`` in FP32, one rounding to the
     output dtype. This function computes the same, and differs only in the order of the FP32
     accumulation (cuBLAS's or the CPU's, not the tensor cores' K-blocked order). Without tensor
@@ -174,8 +151,8 @@ def _product(a: _Factor, b: _Factor, dtype: torch.dtype, out_dtype: torch.dtype 
 
 
 def quantized_gemm(
-    a: _Factor,
-    b: _Factor,
+    a: Factor,
+    b: Factor,
     gemm: Gemm,
     role: str,
     layer: torch.Tensor,
@@ -232,14 +209,14 @@ def _native_operand(f, q) -> PackedNVFP4 | None:
     return packed.transposed() if packed.tile == "16x16" else None
 
 
-def _saved_factor(p: PackedNVFP4) -> _Factor:
+def _saved_factor(p: PackedNVFP4) -> Factor:
     """A saved packed operand as a factor: unpacked by the reference, or read packed by the
     kernels (:class:`quant.kernels.dispatch.PackedFactor`)."""
     if backend.use_triton(p.data, "packed"):
         from .kernels.dispatch import saved_factor
 
         return saved_factor(p)
-    return replace(_Factor.of(p.unpack()), packed=p)
+    return replace(Factor.of(p.unpack()), packed=p)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -262,7 +239,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             y, xq, wq = quantized_gemm(
-                _Factor(x2), _Factor(weight), scheme.forward, "forward", layer, dtype, delayed_amax
+                Factor(x2), Factor(weight), scheme.forward, "forward", layer, dtype, delayed_amax
             )
         packed = {}
         if scheme.saves_quantized_x and xq is not None:
@@ -286,20 +263,20 @@ class QuantizedLinearFunction(torch.autograd.Function):
             k: PackedNVFP4(*flat[3 * i: 3 * i + 3], *meta)
             for i, (k, meta) in enumerate(ctx.packed_meta.items())
         }
-        x_src = _saved_factor(packed["x"]) if "x" in packed else _Factor(x2)
-        w_src = _saved_factor(packed["w"]) if "w" in packed else _Factor(weight)
+        x_src = _saved_factor(packed["x"]) if "x" in packed else Factor(x2)
+        w_src = _saved_factor(packed["w"]) if "w" in packed else Factor(weight)
         e = grad_out.reshape(-1, grad_out.shape[-1])
         dx = dw = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 dx, _, _ = quantized_gemm(
-                    _Factor(e), w_src.T, scheme.dgrad, "dgrad", layer, ctx.dtype,
+                    Factor(e), w_src.T, scheme.dgrad, "dgrad", layer, ctx.dtype,
                     ctx.delayed_amax, ctx.x_dtype,
                 )
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 dw, _, _ = quantized_gemm(
-                    _Factor(e.t()), x_src.T, scheme.wgrad, "wgrad", layer, ctx.dtype,
+                    Factor(e.t()), x_src.T, scheme.wgrad, "wgrad", layer, ctx.dtype,
                     ctx.delayed_amax, weight.dtype,
                 )
         return dx, dw, None, None, None

@@ -3,7 +3,7 @@ each of its three GEMMs (a QuantLinear's forward, dgrad and wgrad under BF16 aut
 
 * ``native``: torch's NVFP4 ``scaled_mm`` on the FP4 tensor cores (Blackwell only);
 * ``simulated``: the same packed operands through the simulator of the documented semantics
-  (:mod:`quant.scaled_mm_sim`);
+  (:mod:`quant.native.scaled_mm_sim`);
 * ``emulated``: the emulated GEMM of the Triton backend (the reference on CPU).
 
     python -m scripts.check_native               # on a Blackwell GPU: all three

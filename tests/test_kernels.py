@@ -40,6 +40,7 @@ else:
 
 import quant  # noqa: E402
 from quant import backend, randomness  # noqa: E402
+from quant.factor import Factor  # noqa: E402
 from quant.format import PackedNVFP4  # noqa: E402
 from quant.hadamard import random_signs, rotate, unrotate  # noqa: E402
 from quant.quantizers import (  # noqa: E402
@@ -378,7 +379,7 @@ def test_rht_sr_and_rht_rtn(shape, transpose):
 @pytest.mark.parametrize("transpose", [False, True])
 def test_packed_source(tile, transpose):
     """Operands read straight from the saved packed form (X̂ᵀ, Ŵᵀ in backward), with the tensor
-    scale applied in the kernel, as ``_Factor.of(p.unpack()).dense()`` does."""
+    scale applied in the kernel, as ``Factor.of(p.unpack()).dense()`` does."""
     x = _data((144, 256), seed=11)
     q = quantize_rtn_2d(x) if tile == "16x16" else quantize_rtn(x, four_over_six=True)
     p = q.pack()
@@ -815,9 +816,9 @@ def test_philox_stream_on_both_paths():
     for op, rot, sg in cases:
         rng = randomness.PhiloxStream(key, 4)
         with backend.use_backend("reference"):
-            ref, _ = quant.linear._quantize(quant.linear._Factor(x), op, sg, rng, rot, None, 0)
+            ref, _ = quant.linear._quantize(Factor(x), op, sg, rng, rot, None, 0)
         with backend.use_backend("triton"):
-            out, _ = quant.linear._quantize(quant.linear._Factor(x), op, sg, rng, rot, None, 0)
+            out, _ = quant.linear._quantize(Factor(x), op, sg, rng, rot, None, 0)
         assert torch.equal(_bits(ref.dense()), _bits(out.dense())), op.quantizer
 
 
@@ -853,7 +854,7 @@ def test_saved_packed_operand_roundtrip():
     """The kernel path saves the same packed X̂, Ŵ as the reference (quartet2 forward)."""
     x = _data((128, 160), seed=22)
     with backend.use_backend("triton"):
-        fa, qa = quant.linear._quantize(quant.linear._Factor(x.to(DEV)),
+        fa, qa = quant.linear._quantize(Factor(x.to(DEV)),
                                         quant.get_scheme("quartet2").forward.a, None, None, None,
                                         None, 0, pack=True)
     p, r = qa.pack(), quantize_rtn(x, four_over_six=True).pack()

@@ -136,13 +136,14 @@ def test_emulated_gemm_rounds_once_after_the_tensor_scales(dtype, b_scaled):
     epilogue does: equal, bit for bit, to an FP64 reference of the same quantized operands
     (``b_scaled=False``: B's values carry a power-of-two scale, as post hoc operands do). Rounding
     the unscaled product first, then scaling, differs in a good share of the outputs."""
-    from quant.linear import _Factor, _product
+    from quant.factor import Factor
+    from quant.linear import _product
     from quant.quantizers import quantize_rtn
 
     qa = quantize_rtn(_one_scale_per_row(64, 256, 0))
     qb = quantize_rtn(_one_scale_per_row(96, 256, 1))
-    fa = _Factor.of(qa)
-    fb = _Factor.of(qb) if b_scaled else _Factor(qb.scaled_values() * 2.0 ** -3)
+    fa = Factor.of(qa)
+    fb = Factor.of(qb) if b_scaled else Factor(qb.scaled_values() * 2.0 ** -3)
     alpha = qa.tensor_scale * (qb.tensor_scale if b_scaled else 1.0)  # FP32, as α is formed
     out = _product(fa, fb, dtype, torch.float32)
     ref = _hardware_epilogue(fa.values.double(), fb.values.double(), alpha, dtype).float()

@@ -1,5 +1,5 @@
 """The native NVFP4 backend (quant.native), checked without Blackwell: its GEMMs run through the
-simulator of the documented scaled-matmul semantics (quant.scaled_mm_sim), fed exactly the
+simulator of the documented scaled-matmul semantics (quant.native.scaled_mm_sim), fed exactly the
 tensors the native call gets, and must equal the emulated GEMMs up to accumulation order."""
 
 import pytest
@@ -138,8 +138,8 @@ def test_probe_accepts_the_documented_semantics_and_refuses_others():
     """Before the first native GEMM on a device, one small product is compared with the
     simulator: a call that matches passes; one that reads the scales unswizzled, or fails, is
     refused with the reason (``auto`` then keeps the emulated GEMMs)."""
-    from quant.scale_layout import unswizzle_scales
-    from quant.scaled_mm_sim import simulate_scaled_mm
+    from quant.native.scale_layout import unswizzle_scales
+    from quant.native.scaled_mm_sim import simulate_scaled_mm
 
     cpu = torch.device("cpu")
 

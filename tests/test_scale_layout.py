@@ -1,5 +1,5 @@
-"""The cuBLAS/torch NVFP4 block-scale layout (quant.scale_layout) and the scaled-matmul
-simulator (quant.scaled_mm_sim), on CPU."""
+"""The cuBLAS/torch NVFP4 block-scale layout (quant.native.scale_layout) and the scaled-matmul
+simulator (quant.native.scaled_mm_sim), on CPU."""
 
 from __future__ import annotations
 
@@ -8,17 +8,18 @@ import math
 import pytest
 import torch
 
+from quant.factor import Factor
 from quant.format import E2M1_MAX, E4M3_MAX, PackedNVFP4
-from quant.linear import _Factor, _product
-from quant.quantizers import quantize_rtn, quantize_rtn_2d
-from quant.scale_layout import (
+from quant.linear import _product
+from quant.native.scale_layout import (
     native_operands,
     pad_scales,
     padded_shape,
     swizzle_scales,
     unswizzle_scales,
 )
-from quant.scaled_mm_sim import _block_scaled, round_once, simulate_scaled_mm
+from quant.native.scaled_mm_sim import _block_scaled, round_once, simulate_scaled_mm
+from quant.quantizers import quantize_rtn, quantize_rtn_2d
 
 SHAPES = [(200, 3), (128, 4), (130, 5), (256, 8), (1, 1), (300, 9)]
 
@@ -238,7 +239,7 @@ def test_simulator_equals_fp64_dense_reference(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("m,n,k", SIM_SHAPES)
 def test_simulator_agrees_with_emulated_product(m: int, n: int, k: int) -> None:
     qa, qb, ops = _operands(m, n, k, seed=3 * (m + n + k))
-    emu = _product(_Factor.of(qa), _Factor.of(qb), torch.float32)
+    emu = _product(Factor.of(qa), Factor.of(qb), torch.float32)
     sim = simulate_scaled_mm(ops, m, n, out_dtype=torch.float32)
     assert sim.dtype == torch.float32
     # Both sum the same exact FP32 terms t_k = (q_A s_A)(q_B s_B) (≤ 10 significant bits) in
@@ -261,7 +262,7 @@ def test_simulator_16x16_weight() -> None:
     qa = quantize_rtn(_data(40, 96, 5))
     qw = quantize_rtn_2d(_data(48, 96, 6))
     ops = native_operands(qa.pack(), qw.pack())
-    emu = _product(_Factor.of(qa), _Factor.of(qw), torch.float32)
+    emu = _product(Factor.of(qa), Factor.of(qw), torch.float32)
     sim = simulate_scaled_mm(ops, 40, 48, out_dtype=torch.float32)
     mag = qa.scaled_values().abs().double() @ qw.scaled_values().abs().double().T
     tol = 2 * 96 * 2.0**-24 * float(qa.tensor_scale * qw.tensor_scale) * mag * (1 + 1e-6)
@@ -273,7 +274,7 @@ def test_simulator_catches_a_wrong_layout() -> None:
     # swapped, must not pass the comparison the tests above make.
     m, n, k = 200, 72, 48
     qa, qb, ops = _operands(m, n, k, seed=99)
-    emu = _product(_Factor.of(qa), _Factor.of(qb), torch.float32).double()
+    emu = _product(Factor.of(qa), Factor.of(qb), torch.float32).double()
     wrong = ops.__class__(**{**vars(ops), "a_scale": pad_scales(
         unswizzle_scales(ops.a_scale, m, 4)).reshape(-1)})
     assert not torch.allclose(simulate_scaled_mm(wrong, m, n, out_dtype=torch.float32).double(),

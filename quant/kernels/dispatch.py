@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..factor import Factor
 from ..format import GROUP, PackedNVFP4
 from ..randomness import PhiloxStream
 from . import ops
@@ -23,7 +24,7 @@ from . import ops
 
 class PackedFactor:
     """A saved :class:`PackedNVFP4` used as a GEMM factor ``values · scale`` (duck-types
-    ``quant.linear._Factor``); ``transposed`` means the factor is the packed tensor's transpose."""
+    :class:`quant.factor.Factor`); ``transposed`` means the factor is the packed tensor's transpose."""
 
     def __init__(self, packed: PackedNVFP4, transposed: bool = False) -> None:
         self.packed, self.transposed = packed, transposed
@@ -68,10 +69,9 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
     ``pack()`` when ``pack`` is set, else is None.
     """
     from ..hadamard import rotate
-    from ..linear import _Factor
 
     if op.quantizer == "none":  # rotation without quantization: not a preset; use the reference
-        return _Factor(rotate(src.dense(), signs)), None
+        return Factor(rotate(src.dense(), signs)), None
     if isinstance(src, PackedFactor):
         p = src.packed
         x, x_scales = p.data, p.scales.view(torch.uint8)
@@ -112,4 +112,4 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
     if delayed is not None:
         delayed[slot] = current
     q = KernelQuantized(codes, scales, st, "16x16" if op.quantizer == "rtn_2d" else "1x16") if pack else None
-    return _Factor(values, None if op.posthoc else st), q  # post hoc values carry s_t
+    return Factor(values, None if op.posthoc else st), q  # post hoc values carry s_t

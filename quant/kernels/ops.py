@@ -589,106 +589,64 @@ def _(x, x_scales, src, transpose, in_scale, signs, prev_amax, uniforms, seed, s
 
 # --------------------------------------------------------------------------- named quantizers
 
-@_op
-def rtn(x: Tensor, transpose: bool = False, four_over_six: bool = False,
-        amax: Optional[Tensor] = None, pack: bool = True
-        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """RTN 1×16 (optionally 4/6) of ``x`` (rows) or ``xᵀ`` (``transpose``, i.e. along columns)."""
-    return quantize(QuantizeCall(
-        x, "rtn", transpose=transpose, four_over_six=four_over_six, prev_amax=amax, pack=pack))
+_PARAMETER_TYPES = {
+    "x": Tensor, "signs": Tensor, "transpose": bool, "uniforms": Optional[Tensor],
+    "seed": Optional[Tensor], "four_over_six": bool, "amax": Optional[Tensor], "pack": bool,
+    "stream": int, "posthoc": bool, "eden_correction": str,
+}
+"""The annotation of each parameter of the named quantizers, from which their schemas come."""
 
+_REQUIRED = inspect.Parameter.empty
 
-@_fake(rtn)
-def _(x, transpose=False, four_over_six=False, amax=None, pack=True):
-    return quantize_fake(QuantizeCall(
-        x, "rtn", transpose=transpose, four_over_six=four_over_six, prev_amax=amax, pack=pack))
-
-
-@_op
-def rtn_2d(x: Tensor, transpose: bool = False, four_over_six: bool = False,
-           amax: Optional[Tensor] = None, pack: bool = True
-           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """RTN with one scale per 16×16 tile (optionally 4/6)."""
-    return quantize(QuantizeCall(
-        x, "rtn_2d", transpose=transpose, four_over_six=four_over_six, prev_amax=amax, pack=pack))
-
-
-@_fake(rtn_2d)
-def _(x, transpose=False, four_over_six=False, amax=None, pack=True):
-    return quantize_fake(QuantizeCall(
-        x, "rtn_2d", transpose=transpose, four_over_six=four_over_six, prev_amax=amax, pack=pack))
-
-
-@_op
-def sr(x: Tensor, transpose: bool = False, uniforms: Optional[Tensor] = None,
-       seed: Optional[Tensor] = None, four_over_six: bool = False, amax: Optional[Tensor] = None,
-       pack: bool = True, stream: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Stochastic rounding 1×16 (``four_over_six``: the biased ablation)."""
-    return quantize(QuantizeCall(
-        x, "sr", transpose=transpose, four_over_six=four_over_six, uniforms=uniforms, seed=seed,
-        stream=stream, prev_amax=amax, pack=pack))
-
-
-@_fake(sr)
-def _(x, transpose=False, uniforms=None, seed=None, four_over_six=False, amax=None, pack=True, stream=0):
-    return quantize_fake(QuantizeCall(
-        x, "sr", transpose=transpose, four_over_six=four_over_six, uniforms=uniforms, seed=seed,
-        stream=stream, prev_amax=amax, pack=pack))
-
-
-@_op
-def rht_ms_eden(x: Tensor, signs: Tensor, transpose: bool = False,
-                uniforms: Optional[Tensor] = None, seed: Optional[Tensor] = None,
-                amax: Optional[Tensor] = None, pack: bool = False, stream: int = 0,
-                posthoc: bool = False, eden_correction: str = "chunk_scaled"
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Randomized Hadamard transform (chunks of ``len(signs)``) fused with MS-EDEN; ``posthoc``:
+_NAMED_QUANTIZERS = (
+    # (op name, QuantizeCall mode, the op's parameters in order with their defaults, docstring)
+    ("rtn", "rtn", dict(x=_REQUIRED, transpose=False, four_over_six=False, amax=None, pack=True),
+     "RTN 1×16 (optionally 4/6) of ``x`` (rows) or ``xᵀ`` (``transpose``, i.e. along columns)."),
+    ("rtn_2d", "rtn_2d", dict(x=_REQUIRED, transpose=False, four_over_six=False, amax=None, pack=True),
+     "RTN with one scale per 16×16 tile (optionally 4/6)."),
+    ("sr", "sr", dict(x=_REQUIRED, transpose=False, uniforms=None, seed=None, four_over_six=False,
+                      amax=None, pack=True, stream=0),
+     "Stochastic rounding 1×16 (``four_over_six``: the biased ablation)."),
+    ("rht_ms_eden", "ms_eden", dict(x=_REQUIRED, signs=_REQUIRED, transpose=False, uniforms=None,
+                                    seed=None, amax=None, pack=False, stream=0, posthoc=False,
+                                    eden_correction="chunk_scaled"),
+     """Randomized Hadamard transform (chunks of ``len(signs)``) fused with MS-EDEN; ``posthoc``:
     with post hoc range alignment (no amax pass; ``amax`` then returns ``max(c)``);
     ``eden_correction``: step 4's S, ``"chunk_scaled"`` (SPEC §2) or ``"energy"`` (groups
-    weighted by their block scale squared, docs/spec.md §5)."""
-    return quantize(QuantizeCall(
-        x, "ms_eden", transpose=transpose, signs=signs, posthoc=posthoc, uniforms=uniforms,
-        seed=seed, stream=stream, prev_amax=amax, pack=pack, eden_correction=eden_correction))
+    weighted by their block scale squared, docs/spec.md §5)."""),
+    ("rht_sr", "sr", dict(x=_REQUIRED, signs=_REQUIRED, transpose=False, uniforms=None, seed=None,
+                          amax=None, pack=False, stream=0),
+     "Randomized Hadamard transform fused with SR (tetrajet_v2's backward, nvidia's Eᵀ)."),
+    ("rht_rtn", "rtn", dict(x=_REQUIRED, signs=_REQUIRED, transpose=False, amax=None, pack=False),
+     "Randomized Hadamard transform followed by RTN 1×16 (nvidia's Xᵀ in wgrad)."),
+)
+"""The named quantizers: each is :func:`quantize_operand` with the quantizer ``mode`` fixed and
+a few of its parameters, under the names of :class:`QuantizeCall` (``amax``: its
+``prev_amax``, the delayed amax)."""
 
 
-@_fake(rht_ms_eden)
-def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False, stream=0,
-      posthoc=False, eden_correction="chunk_scaled"):
-    return quantize_fake(QuantizeCall(
-        x, "ms_eden", transpose=transpose, signs=signs, posthoc=posthoc, uniforms=uniforms,
-        seed=seed, stream=stream, prev_amax=amax, pack=pack, eden_correction=eden_correction))
+def _named_quantizer(name: str, mode: str, defaults: dict, doc: str):
+    """Register the operator ``nvfp4::<name>`` (and its fake) of one :data:`_NAMED_QUANTIZERS`
+    entry, and return it."""
+    signature = inspect.Signature(
+        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d,
+                           annotation=_PARAMETER_TYPES[p]) for p, d in defaults.items()],
+        return_annotation=tuple[Tensor, Tensor, Tensor, Tensor, Tensor])
+
+    def call(*args, **kwargs) -> QuantizeCall:  # the dispatcher passes the arguments in order
+        fields = {**defaults, **dict(zip(defaults, args)), **kwargs}
+        return QuantizeCall(mode=mode, prev_amax=fields.pop("amax"), **fields)
+
+    def kernel(*args, **kwargs):
+        return quantize(call(*args, **kwargs))
+
+    kernel.__name__, kernel.__doc__, kernel.__signature__ = name, doc, signature
+    op = _op(kernel)
+    _fake(op)(lambda *args, **kwargs: quantize_fake(call(*args, **kwargs)))
+    return op
 
 
-@_op
-def rht_sr(x: Tensor, signs: Tensor, transpose: bool = False,
-           uniforms: Optional[Tensor] = None, seed: Optional[Tensor] = None,
-           amax: Optional[Tensor] = None, pack: bool = False, stream: int = 0
-           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Randomized Hadamard transform fused with SR (tetrajet_v2's backward, nvidia's Eᵀ)."""
-    return quantize(QuantizeCall(
-        x, "sr", transpose=transpose, signs=signs, uniforms=uniforms, seed=seed, stream=stream,
-        prev_amax=amax, pack=pack))
-
-
-@_fake(rht_sr)
-def _(x, signs, transpose=False, uniforms=None, seed=None, amax=None, pack=False, stream=0):
-    return quantize_fake(QuantizeCall(
-        x, "sr", transpose=transpose, signs=signs, uniforms=uniforms, seed=seed, stream=stream,
-        prev_amax=amax, pack=pack))
-
-
-@_op
-def rht_rtn(x: Tensor, signs: Tensor, transpose: bool = False, amax: Optional[Tensor] = None,
-            pack: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Randomized Hadamard transform followed by RTN 1×16 (nvidia's Xᵀ in wgrad)."""
-    return quantize(QuantizeCall(
-        x, "rtn", transpose=transpose, signs=signs, prev_amax=amax, pack=pack))
-
-
-@_fake(rht_rtn)
-def _(x, signs, transpose=False, amax=None, pack=False):
-    return quantize_fake(QuantizeCall(
-        x, "rtn", transpose=transpose, signs=signs, prev_amax=amax, pack=pack))
+rtn, rtn_2d, sr, rht_ms_eden, rht_sr, rht_rtn = (_named_quantizer(*entry) for entry in _NAMED_QUANTIZERS)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,6 +1,6 @@
 """A CPU simulator of the native NVFP4 scaled matmul, fed exactly what a native call gets.
 
-:func:`simulate_scaled_mm` reads a :class:`~quant.scale_layout.NativeOperands` (packed E2M1 codes,
+:func:`simulate_scaled_mm` reads a :class:`~quant.native.scale_layout.NativeOperands` (packed E2M1 codes,
 swizzled E4M3 scales, FP32 tensor scales) and computes the documented semantics of the cuBLASLt
 NVFP4 GEMM (``VEC16_UE4M3`` block scales, "1D Block Scaling Factors Layout", and the FP32
 ``alpha`` epilogue; ``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x16`` and
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import GROUP, decode_e2m1, unpack_codes
+from ..format import GROUP, decode_e2m1, unpack_codes
 from .scale_layout import NativeOperands, unswizzle_scales
 
 
@@ -62,7 +62,7 @@ def simulate_scaled_mm(
     What it models:
 
     * decoding: E2M1 codes from the packed bytes (low nibble first), E4M3 block scales from the
-      swizzled layout (:func:`~quant.scale_layout.unswizzle_scales`), one scale per 16 elements;
+      swizzled layout (:func:`~quant.native.scale_layout.unswizzle_scales`), one scale per 16 elements;
       padded K elements (code 0, scale 0) contribute exactly 0;
     * the products ``(q_A s_A)(q_B s_B)``: exact in FP32 (each factor has at most 5 significant
       bits, exponents far inside FP32's normal range), summed over K in ``compute_dtype``:

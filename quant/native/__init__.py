@@ -4,7 +4,7 @@ On a GPU of compute capability 10.x or 12.x, the ``native`` backend (:mod:`quant
 each GEMM of a scheme whose two operands are NVFP4 as one call of
 ``torch.nn.functional.scaled_mm`` with ``torch.float4_e2m1fn_x2`` operands: per operand the
 E4M3 block scales (``ScalingType.BlockWise1x16``) in cuBLAS's tiled layout
-(``SwizzleType.SWIZZLE_32_4_4``, :mod:`quant.scale_layout`) and the FP32 tensor scale
+(``SwizzleType.SWIZZLE_32_4_4``, :mod:`quant.native.scale_layout`) and the FP32 tensor scale
 (``ScalingType.TensorWise``), which the GEMM's epilogue applies before its one rounding:
 
     D = round( s_A · s_B · Σ_k (q_A s_A,blk)(q_B s_B,blk) )
@@ -16,11 +16,18 @@ whose rotation is already in the codes. A GEMM with an operand that is not NVFP4
 that leaves one side in high precision), or whose compute dtype is not BF16 (a run without BF16
 autocast: the probed, documented output), runs emulated.
 
-This module was written against the documented interfaces and checked by simulation only
-(:mod:`quant.scaled_mm_sim`, which takes exactly the tensors passed here; ``docs/performance.md``,
-"Native NVFP4 GEMMs"). On each GPU, before the first native GEMM, :func:`probe` compares one real
-product with the simulator: where they disagree, ``auto`` keeps the emulated GEMMs.
-:func:`simulated` runs the same path with the simulator in place of the call, on any device.
+This package was written against the documented interfaces and checked by simulation only
+(:mod:`quant.native.scaled_mm_sim`, which takes exactly the tensors passed here;
+``docs/performance.md``, "Native NVFP4 GEMMs"). On each GPU, before the first native GEMM,
+:func:`probe` compares one real product with the simulator: where they disagree, ``auto`` keeps
+the emulated GEMMs. :func:`simulated` runs the same path with the simulator in place of the
+call, on any device.
+
+The package: this module (the GEMM call, the availability check, :func:`probe`,
+:func:`simulated`), :mod:`quant.native.scale_layout` (the operands as the call takes them, block
+scales swizzled) and :mod:`quant.native.scaled_mm_sim` (the simulator). It is imported on first
+use: by :mod:`quant.backend` when it asks whether GEMMs run natively, by :mod:`quant.linear` for a
+native GEMM.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .format import PackedNVFP4
+from ..format import PackedNVFP4
 from .scale_layout import NativeOperands, native_operands
 from .scaled_mm_sim import simulate_scaled_mm
 
@@ -90,7 +97,7 @@ def probe(device: torch.device, call: GemmCall | None = None) -> str | None:
     capturing CUDA graphs, call :func:`quant.backend.describe` (train.py does, at startup) so that
     it has run. A 208×144 by 144×144 product: the scale rows need padding to 128
     and K to 64, as in a layer whose dimensions are multiples of 16, not of 128."""
-    from .quantizers import quantize_rtn
+    from ..quantizers import quantize_rtn
 
     m, n, k = 208, 144, 144
     g = torch.Generator().manual_seed(0)
@@ -160,7 +167,7 @@ def _e4m3(p: PackedNVFP4) -> PackedNVFP4:
 
 @contextmanager
 def simulated(compute_dtype: torch.dtype = torch.float32) -> Iterator[list[tuple[int, int, int]]]:
-    """Run the native backend's GEMMs through :func:`quant.scaled_mm_sim.simulate_scaled_mm`
+    """Run the native backend's GEMMs through :func:`quant.native.scaled_mm_sim.simulate_scaled_mm`
     (on any device, e.g. a CPU or a Hopper GPU) instead of ``F.scaled_mm``. Yields the list of
     the GEMMs run, ``(M, N, K)`` each, in order."""
     global _simulator, _calls

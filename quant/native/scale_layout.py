@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import GROUP, PackedNVFP4
+from ..format import GROUP, PackedNVFP4
 
 TILE_ROWS = 128
 """Rows of one scale tile."""
