@@ -154,3 +154,17 @@ def test_online_runs_find_their_baseline_in_the_wandb_project(tmp_path):
     assert named.baseline.where == "W&B run team/proj/b1"
     with pytest.raises(BaselineError, match=r"team/proj/x1 is not comparable .*train\.batch_size: 8 here, 16 there"):
         LiveGap({**cfg_of("quartet2", tmp_path), "baseline": "team/proj/x1"}, tmp_path / "q", api_factory=lambda: api)
+
+
+def test_no_baseline_anywhere_leaves_no_step_missing_and_the_run_says_so(tiny, tmp_path):
+    """Without any bf16 run, no validation step counts as 'missing from the baseline': the run's
+    last lines say that no baseline was found, not that one lacks values."""
+    gaps = LiveGap(cfg_of("quartet2", tmp_path), tmp_path / "q")
+    gaps.at_validation(0, 8.0)
+    gaps.at_validation(6, 5.0)
+    assert gaps.baseline is None and gaps.missing() == [] and gaps.remaining() == []
+    cfg = tiny("quant=quartet2", "train.steps=2", "train.eval_every=1", run="alone")
+    trainer.run(cfg)
+    log = (Path(cfg.run_dir) / "train.log").read_text()
+    assert "has no validation loss yet" not in log
+    assert "loss gap: none, no bf16 baseline was found" in log

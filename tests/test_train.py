@@ -393,6 +393,30 @@ def test_cli_reports_run_errors_without_traceback(data_cache, tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_refused_command_and_finished_rerun_leave_the_run_as_it_was(data_cache, tmp_path):
+    """A command refused at its checks, or a finished run started again, changes nothing of the
+    run directory: not its ``.hydra/`` record of the command, not ``config.json``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "train.py", *FAST, f"data.cache_dir={data_cache}", f"run_root={tmp_path}",
+               "hydra.run.dir=" + str(run_dir), f"run_dir={run_dir}", "train.steps=2", "quant=bf16"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (run_dir / ".hydra" / "overrides.yaml").is_file() and (run_dir / "config.json").is_file()
+    before = _snapshot(run_dir)
+    refused = subprocess.run([*command, "train.batch_size=7", "train.micro_batch_size=2"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and "train.batch_size=7" in refused.stderr
+    assert _snapshot(run_dir) == before
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "already finished" in again.stdout
+    assert _snapshot(run_dir) == before
+
+
 def test_compiled_blocks_train_like_eager(tiny, tmp_path, monkeypatch):
     """compile=true (per-block torch.compile, model/parallel.py) trains a quantized model and
     gives the eager losses and gradient norms up to kernel-fusion rounding (fp32: relative 1e-4).

@@ -27,13 +27,11 @@ from typing import Any
 
 from .checkpoint import flatten, select
 from .identity import BUDGET_KEYS
-from .run_dir import read_metrics, val_losses
+from .run_dir import CONFIG_FILE, read_metrics, val_losses
 
 BASELINE_SCHEME = "bf16"
 MATCH_KEYS = ("model", "data.name", *BUDGET_KEYS, "train.batch_size", "train.seq_len", "seed")
 """What a baseline shares with the run (``train.steps`` only when the budget is in steps)."""
-CONFIG_FILE = "config.json"
-"""The resolved config a run writes into its directory when it starts."""
 _SKIP = {"checkpoints", "wandb", ".hydra", ".submitit", "__pycache__"}
 _WANDB_PATH = re.compile(r"^[\w.-]+/[\w.-]+/[\w]+$")
 
@@ -239,8 +237,11 @@ class LiveGap:
         return rows
 
     def missing(self) -> list[int]:
-        """This run's validation steps without a gap (the baseline has no value there yet)."""
-        return [s for s in sorted(self.own) if s not in self.gaps] if self.active else []
+        """This run's validation steps without a gap although a baseline exists (it has no value
+        there yet); none when there is no baseline at all."""
+        if not self.active or self.baseline is None:
+            return []
+        return [s for s in sorted(self.own) if s not in self.gaps]
 
     def final(self, step: int) -> float | None:
         """The gap logged for the final validation ``step`` (None when the baseline had no value

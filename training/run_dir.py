@@ -1,5 +1,7 @@
 """The run directory's life cycle: a fresh start moves an earlier run aside instead of mixing with
-it, and a resumed run's metrics file is rewound to the checkpoint it resumes from."""
+it, a resumed run's metrics file is rewound to the checkpoint it resumes from, and the record of
+the command (``config.json``, ``.hydra/``) is written only once the run really trains: a refused
+command, or a finished run started again, leaves an existing run as it was."""
 
 from __future__ import annotations
 
@@ -9,6 +11,13 @@ import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_FILE = "config.json"
+"""The resolved config a run writes into its directory when it starts training."""
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "train.log", "wandb")
 """What a run writes into its directory; any of them means an earlier run lives there."""
@@ -21,10 +30,10 @@ def holds_a_run(run_dir: Path) -> bool:
     return any((Path(run_dir) / name).exists() for name in RUN_FILES)
 
 
-def move_aside(run_dir: Path, keep: tuple[str, ...] = (HYDRA_DIR,)) -> Path:
+def move_aside(run_dir: Path, keep: tuple[str, ...] = ()) -> Path:
     """Rename ``run_dir`` to ``<run_dir>.replaced-<YYYYmmdd-HHMMSS>`` and recreate it with only
-    the entries named in ``keep`` moved back: Hydra's ``.hydra/`` of the run now starting (Hydra
-    wrote it before the run began) and a pending stop request. Returns the earlier run's new name."""
+    the entries named in ``keep`` moved back (a pending stop request). Returns the earlier run's
+    new name."""
     run_dir = Path(run_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}")
@@ -38,6 +47,28 @@ def move_aside(run_dir: Path, keep: tuple[str, ...] = (HYDRA_DIR,)) -> Path:
         if (aside / name).exists():
             os.replace(aside / name, run_dir / name)
     return aside
+
+
+def record_command(run_dir: Path, cfg: DictConfig, resolved: dict[str, Any]) -> None:
+    """Write the run's resolved config to ``config.json`` (what a quantized run looks for in its
+    bf16 baseline, training/baseline.py), unless it holds that already, and Hydra's record of the
+    command to ``.hydra/`` (``config.yaml``, ``hydra.yaml``, ``overrides.yaml``, as Hydra lays it
+    out) when the run was started through Hydra."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(resolved, default=str)
+    path = run_dir / CONFIG_FILE
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # not started through Hydra: training.trainer.run(cfg) called from code
+        return
+    out = run_dir / HYDRA_DIR
+    out.mkdir(exist_ok=True)
+    OmegaConf.save(cfg, out / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), out / "hydra.yaml")
+    OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), out / "overrides.yaml")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

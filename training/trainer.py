@@ -40,7 +40,6 @@ from model import build_model
 from model.parallel import materialize, parallelize, replays_cuda_graphs
 from quant import backend as quant_backend
 
-from .baseline import CONFIG_FILE
 from .checkpoint import Checkpointer, CheckpointError, TrainState, check_fingerprint, config_fingerprint, read_extra
 from .config_checks import check_train_config
 from .distributed import AnyRankLagged, DistInfo, barrier, init_distributed, shutdown
@@ -48,7 +47,7 @@ from .errors import Interrupted, Preempted, TrainingError
 from .identity import total_steps
 from .optim import build_adamw, lr_at
 from .preemption import STOP_FILE, PreemptionWatcher
-from .run_dir import holds_a_run, move_aside, read_metrics, rewind_metrics
+from .run_dir import holds_a_run, move_aside, read_metrics, record_command, rewind_metrics
 from .step import NonFinite, PendingHealth, TrainStep, choose_cuda_graph
 from .stopping import Stops
 from .tracking import NullTracker, Throughput, Tracker
@@ -103,7 +102,7 @@ def _open_run_dir(run_dir: Path, checkpoints: Checkpointer, resume: bool,
     for path, why in skipped:
         notes.append(f"warning: skipped checkpoint {path}: {why}")
     if latest is None and is_main and holds_a_run(run_dir):
-        aside = move_aside(run_dir, keep=(".hydra", STOP_FILE))
+        aside = move_aside(run_dir, keep=(STOP_FILE,))
         why = "resume=false" if not resume else "no checkpoint of it verifies" if skipped else "it has no checkpoint"
         notes.append(f"starting from step 0 ({why}): the earlier run in {run_dir} was moved to {aside}")
     return latest, notes
@@ -117,12 +116,6 @@ def train(cfg: DictConfig, di: DistInfo, handle_ctrl_c: bool = False) -> dict[st
     checkpoints = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
                                async_save=cfg.train.async_checkpoint, is_main=di.is_main)
     latest, notes = _open_run_dir(run_dir, checkpoints, cfg.resume, di.is_main)
-    if di.is_main:  # what a quantized run looks for in its bf16 baseline (training/baseline.py)
-        text = json.dumps(OmegaConf.to_container(cfg, resolve=True), default=str)
-        path = run_dir / CONFIG_FILE
-        if not path.is_file() or path.read_text() != text:  # a finished run started again writes nothing
-            run_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
     barrier()
     preemption = PreemptionWatcher(run_dir, interrupt_signal=handle_ctrl_c)
     if di.is_main:
@@ -215,8 +208,15 @@ class Trainer:
         """Train to the end of the budget (or to a stop); returns the summary."""
         if self.finished:
             return already_finished(self.run_dir, self.steps, self.di.is_main)
+        cfg, di = self.cfg, self.di
+        self.use_graph, graph_line = choose_cuda_graph(cfg.cuda_graph, di.device, di.mesh is not None, cfg.compile,
+                                                       cfg.compile_mode, self.scheme.name)
+        if di.is_main:  # every check has passed: the run trains, and its directory says with what
+            record_command(self.run_dir, cfg, self.resolved)
         self._materialize()
         self._start_tracking()
+        if graph_line:
+            self.tracker.info(graph_line)
         self._build_step()
         return self._loop()
 
@@ -267,14 +267,9 @@ class Trainer:
     def _build_step(self) -> None:
         """The optimizer step (one CUDA graph where it can be), the throughput meter and the stops."""
         cfg, di = self.cfg, self.di
-        fsdp = di.mesh is not None
-        use_graph, line = choose_cuda_graph(cfg.cuda_graph, di.device, fsdp, cfg.compile, cfg.compile_mode,
-                                            self.scheme.name)
-        if line:
-            self.tracker.info(line)
         self.train_step = TrainStep(self.model, self.optimizer, accum=self.accum, device=di.device,
-                                    autocast=self.autocast, grad_clip=cfg.optim.grad_clip, fsdp=fsdp,
-                                    cuda_graph=use_graph,
+                                    autocast=self.autocast, grad_clip=cfg.optim.grad_clip, fsdp=di.mesh is not None,
+                                    cuda_graph=self.use_graph,
                                     block_graphs=replays_cuda_graphs(cfg.compile, cfg.compile_mode))
         self.throughput = Throughput(di.device, self.model.flops_per_token(cfg.train.seq_len), di.world_size,
                                      self.tokens_per_step, cfg.train.peak_flops)

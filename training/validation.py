@@ -160,6 +160,10 @@ class Validation:
         if gaps is None or not gaps.active:
             return {}
         tracker.log_after(steps, gaps.remaining())
+        if gaps.baseline is None:
+            tracker.info(f"loss gap: none, no bf16 baseline was found; `python scripts/compare_runs.py "
+                         f"{run_dir.parent}` reports the gaps once a bf16 run with the same settings exists")
+            return {}
         final_gap = gaps.final(steps)
         out = {} if final_gap is None else {"loss_gap": final_gap, "loss_gap_baseline": gaps.baseline.where}
         if missing := gaps.missing():
