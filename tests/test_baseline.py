@@ -168,3 +168,22 @@ def test_no_baseline_anywhere_leaves_no_step_missing_and_the_run_says_so(tiny, t
     log = (Path(cfg.run_dir) / "train.log").read_text()
     assert "has no validation loss yet" not in log
     assert "loss gap: none, no bf16 baseline was found" in log
+
+
+def test_every_metrics_row_names_the_step_its_values_belong_to(tmp_path):
+    """metrics.jsonl's schema (training/tracking.py): a gap found at a later validation, or at the
+    end of the run, is a row of its own step, so no row lacks ``step`` or carries another step's gap."""
+    from training.tracking import Tracker
+
+    tracker = Tracker(tmp_path, {}, "run", "group", {"enabled": False}, None, total_steps=60, start_step=0)
+    tracker.log(0, {"val/loss": 8.0}, line=False)
+    tracker.log(60, {"train/loss": 4.5, "val/loss": 4.6, "gap_step": 0, "val/loss_gap": 0.0026,
+                     "val/loss_gap_rel": 0.0003}, line=False)
+    tracker.log_after(60, [{"gap_step": 60, "val/loss_gap": 0.01, "val/loss_gap_rel": 0.002}])
+    tracker.finish()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("step" in r for r in rows)
+    assert all(r["step"] == r["gap_step"] for r in rows if "gap_step" in r)
+    assert {"step": 60, "train/loss": 4.5, "val/loss": 4.6} in rows
+    assert {"step": 0, "gap_step": 0, "val/loss_gap": 0.0026, "val/loss_gap_rel": 0.0003} in rows
+    assert {"step": 60, "gap_step": 60, "val/loss_gap": 0.01, "val/loss_gap_rel": 0.002} in rows

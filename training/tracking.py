@@ -1,6 +1,15 @@
 """Logging of a run: plain log lines (file + stdout), a progress bar on terminals, a local metrics
 file (``metrics.jsonl``) and Weights & Biases; and the throughput, MFU and memory metrics that the
-log lines carry (:class:`Throughput`)."""
+log lines carry (:class:`Throughput`).
+
+``metrics.jsonl`` holds one JSON object a line, and every row has ``"step"``: the optimizer step
+its values belong to (0 is the validation at initialisation). A loss gap belongs to the step of the
+two validation losses it compares, ``gap_step`` (:mod:`training.baseline`); when it is found at a
+later validation, or at the end of the run, it is a row of its own, ``{"step": gap_step,
+"gap_step": gap_step, "val/loss_gap": ..., "val/loss_gap_rel": ...}``, written when it is found.
+W&B keeps its axes: the gap is logged with the step at which it was found, plotted against
+``gap_step``.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +26,10 @@ from typing import Any
 import torch
 
 log = logging.getLogger("train")
+
+GAP_STEP = "gap_step"
+GAP_PREFIX = "val/loss_gap"
+"""The keys of a loss gap (:mod:`training.baseline`): its step, and its values."""
 
 # Dense BF16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets.
 BF16_PEAK_FLOPS = {
@@ -207,10 +220,22 @@ class Tracker:
     def info(self, msg: str) -> None:
         self._line(msg, above_bar=True)
 
+    def _write(self, step: int, metrics: dict[str, Any]) -> None:
+        """``metrics`` to metrics.jsonl as the row(s) of the step each value belongs to."""
+        gap_step = metrics.get(GAP_STEP)
+        if gap_step is not None and gap_step != step:
+            gap = {k: v for k, v in metrics.items() if k == GAP_STEP or k.startswith(GAP_PREFIX)}
+            metrics = {k: v for k, v in metrics.items() if k not in gap}
+            if metrics:
+                self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._metrics.write(json.dumps({"step": gap_step, **gap}) + "\n")
+        else:
+            self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._metrics.flush()
+
     def log(self, step: int, metrics: dict[str, Any], line: bool = True) -> None:
         metrics = _clean(metrics)
-        self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._metrics.flush()
+        self._write(step, metrics)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if "val/loss" in metrics:
@@ -223,13 +248,13 @@ class Tracker:
         self._line(f"step {step} {text}", above_bar=False)
 
     def log_after(self, last_step: int, rows: list[dict[str, Any]]) -> None:
-        """Rows that belong to no training step (loss gaps filled in at the end of the run), on
-        their own axis: to metrics.jsonl without a ``step``, to W&B after ``last_step``."""
+        """Loss gaps filled in at the end of the run: to metrics.jsonl as rows of their
+        ``gap_step``, to W&B after ``last_step`` (their axis is ``gap_step``)."""
         for i, row in enumerate(rows):
-            self._metrics.write(json.dumps(_clean(row)) + "\n")
+            row = _clean(row)
+            self._write(last_step + 1 + i, row)
             if self.wandb is not None:
-                self.wandb.log(_clean(row), step=last_step + 1 + i)
-        self._metrics.flush()
+                self.wandb.log(row, step=last_step + 1 + i)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
