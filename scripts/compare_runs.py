@@ -25,7 +25,9 @@ number of seeds averaged. Scheme runs of a model and budget without a BF16 run a
 own section, and so are runs without a final validation loss (unfinished or failed).
 
 Outputs: the markdown report on stdout (and ``--out``), a PNG of loss gap against tokens per
-parameter (one panel per model size, one line per scheme, ``--plot``), optionally a PNG of the gap
+parameter (one panel per model size, one line per scheme, ``--plot``; by default
+``loss_gap.png`` in the first run directory given, and the report's last lines name the file),
+optionally a PNG of the gap
 along training (``--curves``: validation loss of the scheme minus BF16's at the same steps), and
 optionally ``--json``. ``--writeback`` writes into every paired run read through the API its whole
 gap curve against its baseline (``val/loss_gap`` and ``val/loss_gap_rel`` against their own axis
@@ -56,6 +58,10 @@ from analysis import (
 )
 
 
+CURVES = Path("loss_gap_curves.png")
+"""``--curves`` without a file: this name, in the gap plot's default folder."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line (see the module docstring); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,11 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wandb", action="append", default=[], metavar="ENTITY/PROJECT",
                    help="read the runs of a W&B project through the API (repeatable)")
     p.add_argument("--baseline", default=BASELINE, help="scheme the gaps are taken against (default: bf16)")
-    p.add_argument("--plot", type=Path, default=Path("loss_gap.png"),
-                   help="PNG of loss gap vs tokens per parameter (default: loss_gap.png)")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG of loss gap vs tokens per parameter (default: loss_gap.png in the first "
+                        "run directory given, else in the current directory)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument("--curves", type=Path, nargs="?", const=Path("loss_gap_curves.png"), default=None,
-                   help="also plot the gap along training (default file: loss_gap_curves.png)")
+    p.add_argument("--curves", type=Path, nargs="?", const=CURVES, default=None,
+                   help="also plot the gap along training (default file: loss_gap_curves.png, beside "
+                        "the gap plot's default)")
     p.add_argument("--out", type=Path, help="also write the markdown report to this file")
     p.add_argument("--json", type=Path, help="also write the numbers as JSON")
     p.add_argument("--writeback", action="store_true",
@@ -76,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not a.paths and not a.wandb:
         p.error("give run directories (e.g. runs/c4_sweep) and/or --wandb ENTITY/PROJECT")
+    home = a.paths[0] if a.paths and a.paths[0].is_dir() else Path(".")
+    a.plot = a.plot or home / "loss_gap.png"
+    a.curves = home / CURVES if a.curves is CURVES else a.curves
     try:
         runs, notes = collect_paths(a.paths)
         for project in a.wandb:
