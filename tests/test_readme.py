@@ -1,7 +1,7 @@
 """README's quick-start numbers come from the code: the default run (``python train.py``: the tiny
 model, quartet2, the bundled corpus) is trained for its first 100 steps and its validation losses
 at steps 0 and 100 are checked against the sentence in README.md, so the text cannot go stale
-silently. About two minutes on 2 cores."""
+silently. 100 steps of the default run: its time grows with the load on the cores."""
 
 from __future__ import annotations
 
