@@ -57,7 +57,6 @@ from analysis import (
     writeback,
 )
 
-
 CURVES = Path("loss_gap_curves.png")
 """``--curves`` without a file: this name, in the gap plot's default folder."""
 
