@@ -5,7 +5,9 @@ GEMM that consumes the tensor), computes in float32 and returns an :class:`NVFP4
 Randomness is never drawn here: stochastic quantizers take their uniform draws as arguments
 (in the layout of the input), so tests and kernels can replay them exactly.
 
-Scale arithmetic shared by all quantizers (SPEC §2): ``s_t = amax / (target_t)``,
+Scale arithmetic shared by all quantizers (SPEC §2): ``s_t = max(amax / target_t, 2^-149)``
+(:func:`~quant.format.tensor_scale`: the floor keeps a tensor scale that would round to 0, for an
+amax below about ``target_t · 2^-150``, from making an all-zero group's scale ``0 / 0``),
 ``s_b = e4m3(amax_b / target_b / s_t)`` (a zero scale becomes 1), ``x_s = x / (s_b · s_t)`` with
 the product ``s_b · s_t`` rounded once in float32, and ``x̂ = (q · s_b) · s_t``.
 ``amax`` may be given explicitly (delayed amax: reuse the previous call's value); values beyond
