@@ -53,15 +53,18 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value, ties to even, saturating at ±6 (SPEC §1).
 
     Returns float32 values on the E2M1 grid with the sign of ``x`` (``-0.0`` for small negatives;
-    ``0.0`` for NaN). Below 1 the grid is the multiples of 0.5, so ``round(2|x|)/2`` (torch rounds
-    half to even); from 1 up it is FP32 with one mantissa bit, so the FP32 bit pattern is rounded
-    to its top mantissa bit (add half an ulp, minus one unless the kept bit is odd) and saturated.
+    ``+0.0`` for every NaN bit pattern, quiet or signalling, of either sign). Below 1 the grid is
+    the multiples of 0.5, so ``round(2|x|)/2`` (torch rounds half to even); from 1 up it is FP32
+    with one mantissa bit, so the FP32 bit pattern is rounded to its top mantissa bit (add half
+    an ulp, minus one unless the kept bit is odd) and saturated. NaN becomes 0 before that
+    integer rounding, which would carry a NaN's mantissa into its exponent (to ±inf, or past the
+    sign bit).
     """
     x = x.float()
-    a = x.abs()
+    a = x.abs().nan_to_num_(nan=0.0, posinf=math.inf)
     b = a.view(torch.int32)
     one_bit = ((b + 0x1FFFFF + ((b >> 22) & 1)) & -0x400000).view(torch.float32)
-    mag = torch.where(a < 1, torch.round(a * 2) * 0.5, one_bit).clamp_(max=E2M1_MAX).nan_to_num_(0.0)
+    mag = torch.where(a < 1, torch.round(a * 2) * 0.5, one_bit).clamp_(max=E2M1_MAX)
     return torch.where(x < 0, -mag, mag)
 
 

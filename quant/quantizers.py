@@ -115,9 +115,11 @@ def stochastic_round_e2m1(v: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     """Round to one of the two neighbouring E2M1 points, ``P(up) = (|v| − lo)/(hi − lo)``.
 
     ``|v|`` is clamped at 6 first. One uniform ``u ∈ [0, 1)`` per element; the value goes up when
-    ``u < P(up)``, so ``E[round(v)] = v`` for ``|v| ≤ 6`` (SPEC §2, SR row).
+    ``u < P(up)``, so ``E[round(v)] = v`` for ``|v| ≤ 6`` (SPEC §2, SR row). Every NaN bit
+    pattern gives ``+0.0``, as in :func:`~quant.format.round_e2m1` (it becomes 0 before the
+    bit-pattern arithmetic below).
     """
-    a = v.float().abs().clamp(max=E2M1_MAX)
+    a = v.float().abs().clamp(max=E2M1_MAX).nan_to_num_(0.0)
     # lo: the grid point at or below a, the multiples of 0.5 below 1 and FP32 truncated to one
     # mantissa bit from 1 up; the spacing there is half of a's power of two.
     b = a.view(torch.int32)
@@ -127,7 +129,7 @@ def stochastic_round_e2m1(v: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     hi = (lo + step).clamp_(max=E2M1_MAX)
     gap = hi - lo
     p_up = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
-    mag = torch.where(uniforms < p_up, hi, lo).nan_to_num_(0.0)
+    mag = torch.where(uniforms < p_up, hi, lo)
     return torch.where(v < 0, -mag, mag)
 
 
