@@ -283,7 +283,8 @@ def quantize_ms_eden(
     2'. provisional block scales ``s_p = m3(amax_b / v)``: rounded to E4M3's 3 mantissa bits but
         with FP32's exponent range (:func:`~quant.format.round_e4m3_mantissa`), so no tensor
         scale is needed yet (1 for an all-zero group; ``amax_b / v`` is taken at least 2^-126,
-        FP32's smallest normal, so a group of subnormals gets a nonzero scale);
+        FP32's smallest normal, so a group of subnormals gets a nonzero scale, and a group whose
+        amax is at most 2^-128 rounds to 0: ``docs/spec.md`` §6.1, the range);
     3'. ``x_s = x_rot / s_p``; ``q = rtn(x_s)``, saturating at ±6;
     4'. S as in step 4, ``c = s_p · S`` (0 for an all-zero group, NaN for a group holding NaN
         or ±inf);
