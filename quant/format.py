@@ -53,15 +53,18 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value, ties to even, saturating at ±6 (SPEC §1).
 
     Returns float32 values on the E2M1 grid with the sign of ``x`` (``-0.0`` for small negatives;
-    ``0.0`` for NaN). Below 1 the grid is the multiples of 0.5, so ``round(2|x|)/2`` (torch rounds
-    half to even); from 1 up it is FP32 with one mantissa bit, so the FP32 bit pattern is rounded
-    to its top mantissa bit (add half an ulp, minus one unless the kept bit is odd) and saturated.
+    ``+0.0`` for every NaN bit pattern, quiet or signalling, of either sign). Below 1 the grid is
+    the multiples of 0.5, so ``round(2|x|)/2`` (torch rounds half to even); from 1 up it is FP32
+    with one mantissa bit, so the FP32 bit pattern is rounded to its top mantissa bit (add half
+    an ulp, minus one unless the kept bit is odd) and saturated. NaN becomes 0 before that
+    integer rounding, which would carry a NaN's mantissa into its exponent (to ±inf, or past the
+    sign bit).
     """
     x = x.float()
-    a = x.abs()
+    a = x.abs().nan_to_num_(nan=0.0, posinf=math.inf)
     b = a.view(torch.int32)
     one_bit = ((b + 0x1FFFFF + ((b >> 22) & 1)) & -0x400000).view(torch.float32)
-    mag = torch.where(a < 1, torch.round(a * 2) * 0.5, one_bit).clamp_(max=E2M1_MAX).nan_to_num_(0.0)
+    mag = torch.where(a < 1, torch.round(a * 2) * 0.5, one_bit).clamp_(max=E2M1_MAX)
     return torch.where(x < 0, -mag, mag)
 
 
@@ -147,16 +150,26 @@ def e4m3_neighbours(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return down, up
 
 
+FP32_MIN_POSITIVE = math.ldexp(1.0, -149)
+"""2^-149, FP32's smallest positive (subnormal) value: the floor of every tensor scale."""
+
+
 def tensor_scale(amax: torch.Tensor, target: float) -> torch.Tensor:
-    """FP32 tensor scale ``s_t = amax / target`` (SPEC §2); 1 for an all-zero tensor, NaN for an
-    amax that is NaN or +inf (then no scale is meaningful, and ``x̂ = q · s_b · s_t`` is NaN in
-    every element: the non-finite rule of :mod:`quant.quantizers`).
+    """FP32 tensor scale ``s_t = max(amax / target, 2^-149)`` (SPEC §2); 1 for an all-zero
+    tensor, NaN for an amax that is NaN or +inf (then no scale is meaningful, and
+    ``x̂ = q · s_b · s_t`` is NaN in every element: the non-finite rule of :mod:`quant.quantizers`).
+
+    The floor (``docs/spec.md`` §2, the constants): below ``amax ≈ target · 2^-150``
+    (1.9e-42 for RTN's 6·448) the quotient rounds to 0, and a zero tensor scale makes the raw
+    block scale of an all-zero group ``0 / 0``, NaN. 2^-149 is the nearest FP32 value that is not
+    0, so the floor changes only tensor scales that would be 0.
 
     The divisor is a float32 tensor: CUDA turns division by a Python float into a multiplication
     by its reciprocal, which can differ from true division in the last bit.
     """
     amax = amax.float()
-    s = torch.where(amax > 0, amax / fp32(target, amax.device), torch.ones_like(amax))
+    s = (amax / fp32(target, amax.device)).clamp_(min=FP32_MIN_POSITIVE)
+    s = torch.where(amax > 0, s, torch.ones_like(amax))
     return torch.where(amax < math.inf, s, torch.full_like(s, math.nan))
 
 

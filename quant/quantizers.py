@@ -5,7 +5,9 @@ GEMM that consumes the tensor), computes in float32 and returns an :class:`NVFP4
 Randomness is never drawn here: stochastic quantizers take their uniform draws as arguments
 (in the layout of the input), so tests and kernels can replay them exactly.
 
-Scale arithmetic shared by all quantizers (SPEC §2): ``s_t = amax / (target_t)``,
+Scale arithmetic shared by all quantizers (SPEC §2): ``s_t = max(amax / target_t, 2^-149)``
+(:func:`~quant.format.tensor_scale`: the floor keeps a tensor scale that would round to 0, for an
+amax below about ``target_t · 2^-150``, from making an all-zero group's scale ``0 / 0``),
 ``s_b = e4m3(amax_b / target_b / s_t)`` (a zero scale becomes 1), ``x_s = x / (s_b · s_t)`` with
 the product ``s_b · s_t`` rounded once in float32, and ``x̂ = (q · s_b) · s_t``.
 ``amax`` may be given explicitly (delayed amax: reuse the previous call's value); values beyond
@@ -113,9 +115,11 @@ def stochastic_round_e2m1(v: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     """Round to one of the two neighbouring E2M1 points, ``P(up) = (|v| − lo)/(hi − lo)``.
 
     ``|v|`` is clamped at 6 first. One uniform ``u ∈ [0, 1)`` per element; the value goes up when
-    ``u < P(up)``, so ``E[round(v)] = v`` for ``|v| ≤ 6`` (SPEC §2, SR row).
+    ``u < P(up)``, so ``E[round(v)] = v`` for ``|v| ≤ 6`` (SPEC §2, SR row). Every NaN bit
+    pattern gives ``+0.0``, as in :func:`~quant.format.round_e2m1` (it becomes 0 before the
+    bit-pattern arithmetic below).
     """
-    a = v.float().abs().clamp(max=E2M1_MAX)
+    a = v.float().abs().clamp(max=E2M1_MAX).nan_to_num_(0.0)
     # lo: the grid point at or below a, the multiples of 0.5 below 1 and FP32 truncated to one
     # mantissa bit from 1 up; the spacing there is half of a's power of two.
     b = a.view(torch.int32)
@@ -125,7 +129,7 @@ def stochastic_round_e2m1(v: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     hi = (lo + step).clamp_(max=E2M1_MAX)
     gap = hi - lo
     p_up = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
-    mag = torch.where(uniforms < p_up, hi, lo).nan_to_num_(0.0)
+    mag = torch.where(uniforms < p_up, hi, lo)
     return torch.where(v < 0, -mag, mag)
 
 
@@ -279,7 +283,8 @@ def quantize_ms_eden(
     2'. provisional block scales ``s_p = m3(amax_b / v)``: rounded to E4M3's 3 mantissa bits but
         with FP32's exponent range (:func:`~quant.format.round_e4m3_mantissa`), so no tensor
         scale is needed yet (1 for an all-zero group; ``amax_b / v`` is taken at least 2^-126,
-        FP32's smallest normal, so a group of subnormals gets a nonzero scale);
+        FP32's smallest normal, so a group of subnormals gets a nonzero scale, and a group whose
+        amax is at most 2^-128 rounds to 0: ``docs/spec.md`` §6.1, the range);
     3'. ``x_s = x_rot / s_p``; ``q = rtn(x_s)``, saturating at ±6;
     4'. S as in step 4, ``c = s_p · S`` (0 for an all-zero group, NaN for a group holding NaN
         or ±inf);

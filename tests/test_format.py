@@ -19,7 +19,13 @@ from quant.format import (
     round_e4m3_mantissa,
     tensor_scale,
 )
-from quant.quantizers import quantize_ms_eden, quantize_rtn, quantize_rtn_2d, quantize_sr
+from quant.quantizers import (
+    quantize_ms_eden,
+    quantize_rtn,
+    quantize_rtn_2d,
+    quantize_sr,
+    stochastic_round_e2m1,
+)
 
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -76,6 +82,31 @@ def test_e2m1_extremes_subnormals_and_nan():
     got = round_e2m1(x)
     assert got.tolist()[:5] == [0.0, 0.0, 0.0, 6.0, 6.0] and got.tolist()[6:11] == [-0.0, -0.0, -0.0, -6.0, -6.0]
     assert torch.signbit(got[6:9]).all() and got[5].item() == 0.0 and got[11].item() == 0.0
+
+
+NAN_PATTERNS = [0x7F800001, 0x7F800002, 0x7F9FFFFF, 0x7FA00000, 0x7FBFFFFF,  # signalling
+                0x7FC00000, 0x7FC00001, 0x7FDFFFFF, 0x7FE00000, 0x7FFFFFFF]  # quiet
+"""FP32 NaN bit patterns of every class (exponent all ones, mantissa not 0): signalling (mantissa
+MSB 0) and quiet (MSB 1), at the edges of each class and where the bit-pattern rounding carries
+into the exponent (0x7FA00000 up, 0x7FE00000 up); each also with the sign bit set."""
+
+
+def _nan_inputs() -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    payloads = torch.randint(1, 0x800000, (200,), generator=g, dtype=torch.int64)
+    bits = torch.cat([torch.tensor(NAN_PATTERNS, dtype=torch.int64), 0x7F800000 | payloads])
+    bits = torch.cat([bits, bits | 0x80000000])
+    return bits.to(torch.int64).to(torch.uint32).view(torch.int32).view(torch.float32)
+
+
+def test_e2m1_rounding_of_every_nan_pattern_is_zero():
+    """Every NaN bit pattern, signalling or quiet, of either sign, rounds to +0.0 (the
+    docstrings of ``round_e2m1`` and ``stochastic_round_e2m1``; the quantizers carry NaN in the
+    tensor scale), whatever the uniform; never to ±6, an off-grid value or −0.0."""
+    x = _nan_inputs()
+    assert x.isnan().all() and x.numel() == 420
+    for got in [round_e2m1(x)] + [stochastic_round_e2m1(x, torch.full_like(x, u)) for u in (0.0, 0.5, 0.999)]:
+        assert torch.equal(got.view(torch.int32), torch.zeros_like(x).view(torch.int32)), got
 
 
 def test_e2m1_saturates():

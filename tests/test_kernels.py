@@ -582,6 +582,38 @@ def test_zero_tensor():
     _check(K.rtn(x.to(DEV)), quantize_rtn(x))
 
 
+@pytest.mark.parametrize("amax", [1e-42, 2.0**-146])
+def test_tiny_tensor_scale_floor(amax):
+    """A tensor whose ``amax / target`` rounds to 0 (1e-42: for every target) or nearly
+    (2^-146): every kernel quantizer gives the reference's floored tensor scale (2^-149 when
+    the quotient is 0, SPEC §2) and its values bit for bit, all finite, on rows and columns;
+    all-zero groups come out 0, not NaN."""
+    x = torch.zeros(128, 256)
+    x[0, 0] = amax
+    x[1, 16:20] = torch.tensor([1.0, -2.0, 3.0, -5.0]) * 2.0**-149
+    g = torch.Generator().manual_seed(80)
+    signs = random_signs(128, g, "cpu")
+    for t in (False, True):
+        a = _logical(x, t)
+        u, ug = torch.rand(a.shape, generator=g), torch.rand(a.shape[0], a.shape[1] // 16, generator=g)
+        d, sd, s32 = x.to(DEV), signs.to(DEV), signs[:32].contiguous()
+        cases = [(K.rtn(d, t, four_six), quantize_rtn(a, four_over_six=four_six), False) for four_six in (False, True)]
+        cases += [(K.sr(d, t, u.to(DEV)), quantize_sr(a, u), False),
+                  (K.rtn_2d(d, t, True), quantize_rtn_2d(a, four_over_six=True), False),
+                  (K.rht_rtn(d, sd[:16].contiguous(), t, None, True), quantize_rtn(rotate(a, signs[:16])), False),
+                  (K.rht_sr(d, s32.to(DEV), t, u.to(DEV), None, None, True), quantize_sr(rotate(a, s32), u), False)]
+        for posthoc in (False, True):
+            for correction in ("chunk_scaled", "energy"):
+                cases.append((K.rht_ms_eden(d, sd, t, ug.to(DEV), None, None, True, posthoc=posthoc,
+                                            eden_correction=correction),
+                              quantize_ms_eden(rotate(a, signs), ug, posthoc=posthoc, correction=correction),
+                              posthoc))
+        for out, ref, posthoc in cases:
+            assert ref.tensor_scale > 0 and torch.isfinite(ref.dequantize()).all()
+            assert torch.isfinite(out[0].cpu().float()).all()
+            _check(out, ref, posthoc=posthoc)
+
+
 def _dequantized(out, posthoc=False):
     """The kernel op's dequantized ``A``: ``values · s_t`` (post hoc: the values carry s_t)."""
     values, st = out[0].cpu().float(), out[3].cpu()

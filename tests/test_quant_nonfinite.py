@@ -163,3 +163,75 @@ def test_inf_in_x_makes_y_and_dw_non_finite(case):
     else:
         assert not torch.isfinite(dw[:, 5]).any() and torch.isfinite(dw[:, 6:]).all()
     assert torch.isfinite(dx).all()
+
+
+# --- finite inputs too small for SPEC §2's tensor scale: never NaN ------------------------------
+
+TINY_AMAXES = [1e-42, 2.0**-149, 2.0**-146, 2.0**-140]
+"""Tensor amaxes whose ``amax / target`` rounds to 0 for every quantizer's target (below
+``target · 2^-150``, 1.9e-42 for RTN's 6·448 and 1.4e-42 for 4/6's 6·256), and two just above."""
+
+
+def _tiny(amax: float) -> torch.Tensor:
+    """32×256 zeros (all-zero groups everywhere) but for ``amax`` at row 0, column 0 and a few
+    multiples of 2^-149 below it in row 1."""
+    x = torch.zeros(32, 256)
+    x[0, 0] = amax
+    x[1, 16:20] = torch.tensor([1.0, -2.0, 3.0, -5.0]) * 2.0**-149
+    return x
+
+
+@pytest.mark.parametrize("amax", TINY_AMAXES, ids=str)
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_a_tiny_tensor_quantizes_to_finite_values(name, amax):
+    """The tensor scale floor (SPEC §2): a finite tensor whose ``amax / target`` rounds to 0
+    gets the tensor scale 2^-149, not 0, so no all-zero group's block scale is ``0 / 0``: every
+    quantizer's values are finite, in the emulation and the packed form, and the all-zero
+    groups are exactly 0 (the issue's reproducer is ``amax = 1e-42``)."""
+    q = QUANTIZERS[name](_tiny(amax))
+    assert q.tensor_scale > 0, q.tensor_scale
+    d = q.dequantize()
+    assert torch.isfinite(d).all() and torch.isfinite(q.pack().dequantize()).all()
+    if "rht" not in name and "ms_eden" not in name:  # unrotated: the zero rows stay zero
+        assert (d[2:] == 0).all()
+
+
+def test_the_floor_keeps_a_tiny_element():
+    """``x = 1e-42`` (714 · 2^-149 in FP32) among zeros: ``s_t = 2^-149``, the block scale is
+    ``e4m3(119) = 120`` and the element maps to 714/120 ≈ 5.95, i.e. 6, so it dequantizes to
+    720 · 2^-149 (relative error 0.8%, within E4M3's half spacing 1/16 of the block scale).
+    SR: ``amax / 6'`` rounds to 126 · 2^-149, the block scale is ``e4m3(126) = 128`` and
+    714/128 ≈ 5.58 rounds to 4 or 6: 512 or 768 times 2^-149."""
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1e-42
+    q = quantize_rtn(x)
+    assert q.tensor_scale.item() == 2.0**-149 and q.block_scale.tolist() == [[120.0, 1.0]]
+    d = q.dequantize()
+    assert d[0, 0].item() == 720 * 2.0**-149 and (d[0, 1:] == 0).all()
+    s = quantize_sr(x, _uniforms(x.shape)).dequantize()
+    assert s[0, 0].item() in (512 * 2.0**-149, 768 * 2.0**-149) and (s[0, 1:] == 0).all()
+
+
+def test_tensor_scale_floor_changes_only_a_zero_scale():
+    """``tensor_scale`` is ``amax / target`` bit for bit wherever that is not 0 (down to the
+    subnormal 2^-149 itself), and 2^-149 where it rounds to 0."""
+    amax = torch.tensor([2.0**-149, 1e-42, 2.0**-137, 2.0**-130, 1e-38, 1e-20, 1.0, 3e38])
+    for target in (6 * 448, 6 * 256, 6 * 16 / 17 * 448, 255.99 * 6 / ((17 / 16) * 0.93)):
+        plain = amax / torch.tensor(target, dtype=torch.float32)
+        got = tensor_scale(amax, target)
+        assert torch.equal(got, torch.where(plain > 0, plain, torch.tensor(2.0**-149))), target
+        assert (plain == 0).any() and (plain > 0).any()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_a_tiny_upstream_gradient_gives_finite_gradients(case):
+    """An upstream gradient that is 0 but for one element of 1e-42 (token 3, out-feature 7):
+    every quantized dgrad and wgrad is finite (its quantized E has the floored tensor scale
+    2^-149, SPEC §2), under every scheme."""
+    name, kw = case
+    scheme = get_scheme(name, **kw)
+    x, w, _ = _layer()
+    e = torch.zeros(128, 128)
+    e[3, 7] = 1e-42
+    y, dx, dw = _grads(scheme, x, w, e)
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all() and torch.isfinite(dw).all()

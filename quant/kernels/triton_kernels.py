@@ -76,6 +76,17 @@ def _nan_unless(ok, v):
 
 
 @triton.jit
+def _tensor_scale(amax, T_TENSOR: tl.constexpr):
+    """``quant.format.tensor_scale(amax, T_TENSOR)``: ``max(amax / T_TENSOR, 2^-149)``, 1 for a
+    zero amax, NaN for a NaN or +inf one. 2^-149 is made from its bit pattern (1), a select
+    rather than a float max, so that no flush of subnormals can touch it."""
+    s_t = tl.math.div_rn(amax, T_TENSOR)
+    s_t = tl.where(s_t > 0, s_t, tl.full((), 1, tl.int32).to(tl.float32, bitcast=True))
+    s_t = tl.where(amax > 0, s_t, 1.0)
+    return _nan_unless(amax < _POS_INF, s_t)
+
+
+@triton.jit
 def _abs_bits(v):
     """The int32 bit pattern of FP32 ``|v|``: non-negative patterns order as the values do and
     every NaN's lies above +inf's, so an integer max of them is ``max |v|`` that keeps NaN
@@ -909,8 +920,7 @@ def _quant_tile(x_ptr, xs_ptr, scale_ptr, sgm, amax_ptr, u_ptr, seed, val_ptr, c
         raw = tl.math.div_rn(_group_scales(tl.abs(x), TILE2D), T_BLOCK)
     else:
         amax = tl.load(amax_ptr)
-        s_t = tl.where(amax > 0, tl.math.div_rn(amax, T_TENSOR), 1.0)
-        s_t = _nan_unless(amax < _POS_INF, s_t)  # a non-finite amax: NaN (``tensor_scale``)
+        s_t = _tensor_scale(amax, T_TENSOR)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(st_ptr, s_t)
         raw = tl.math.div_rn(tl.math.div_rn(_group_scales(tl.abs(x), TILE2D), T_BLOCK), s_t)
