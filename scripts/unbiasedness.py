@@ -3,6 +3,7 @@
     python scripts/unbiasedness.py                               # tiny model, block 0 attn.qkv, B ≤ 1024
     python scripts/unbiasedness.py --model 30m --max-b 1024 --out-dir unbiasedness/30m
     python scripts/unbiasedness.py --model runs/x/model.pt --layers blocks.0.attn.qkv blocks.3.mlp.down
+    python scripts/unbiasedness.py --operands 2000 --distribution heavy   # the quantizers' direct bias test
 
 Protocol. One model (a preset of configs/model/, randomly initialised with ``--seed``; or a
 consolidated checkpoint written by scripts/export_checkpoint.py), one fixed batch of tokens (random
@@ -30,6 +31,10 @@ Default: nvidia, four_over_six, tetrajet_v2, quartet2 and nvidia+sr46.
 
 Outputs: a markdown table on stdout (and ``OUT_DIR/unbiasedness.md``), ``OUT_DIR/unbiasedness.png``
 (log-log, one panel per layer, with a 1/B reference line) and ``OUT_DIR/unbiasedness.json``.
+``--operands DRAWS`` runs the direct bias test of the quantizers and of quartet2's GEMM instead
+(:func:`operand_study`: along the target and on random directions, analysis.bias) on fixed
+Gaussian, heavy-tailed or a model's wgrad operands (``--distribution``).
+
 Computation is FP32 (no autocast), on ``--device`` (CPU by default). Only the chosen weights require
 gradients, so each draw back-propagates from the loss down to the chosen layers and computes no
 other weight gradient.
@@ -43,6 +48,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 import quant
-from analysis.bias import Z_FLAG, BiasStat, DirectionalBias, estimator_bias
+from analysis.bias import DIRECTIONS, P_FLAG, Z_FLAG, BiasStat, DirectionalBias, EstimatorBias, estimator_bias
 from model import build_model
 from model.llama import Llama
 from quant.hadamard import random_signs, rotate, unrotate
@@ -261,89 +267,215 @@ def study(
 
 OPERAND_SHAPE = (256, 1024)
 OPERAND_ROTATION = 128
+DISTRIBUTIONS = ("gaussian", "heavy", "model")
+HEAVY_SIGMA = 1.5
+"""The heavy-tailed operands are ``N · exp(1.5 · N')`` elementwise (two independent standard
+normals): a Gaussian with log-normal scales, whose kurtosis is ``3 e^(4 · 1.5²)``, about 2.4e4."""
 
 
-def operand_estimators(x: torch.Tensor, seed: int) -> dict[str, tuple[torch.Tensor, object]]:
-    """The operand-level estimators of the direct test, each as (the tensor it estimates, a
-    function of the draw index returning one estimate). Draw ``i`` takes its uniforms from a
-    generator seeded ``(seed, i)``; the rotated estimators use one fixed rotation (its signs
-    from ``seed``), except RTN after a fresh rotation, SPEC §5's example of a bias a slope misses.
+class Rotation:
+    """One fresh rotation of a draw, along the last dim in chunks of ``OPERAND_ROTATION``:
+    ``hadamard`` (SPEC §2 step 1: random signs, then the normalised Hadamard matrix), ``two``
+    (that twice, with independent signs) or ``haar`` (a uniformly random orthogonal matrix, the
+    rotation EDEN's unbiasedness is proved for; in FP64). The same rotation serves both operands
+    of a GEMM, in which it cancels."""
 
-    ``sr`` (SPEC §2, 1×16 SR), ``sr+4/6`` (4/6 selection on SR: the biased control), ``ms_eden``
-    and ``ms_eden (post hoc)`` (steps 2–6 on the rotated tensor, against the rotated tensor),
-    ``rtn, fresh rotation`` (RTN of the rotated tensor, rotated back, against ``x``); ``ms_eden
-    energy`` and its post hoc form use the energy-weighted correction
-    (:func:`~quant.quantizers.quantize_ms_eden`, ``correction="energy"``).
+    def __init__(self, kind: str, g: torch.Generator) -> None:
+        self.kind = kind
+        if kind == "haar":  # QR of a Gaussian matrix, signs fixed so that Q is Haar-distributed
+            q, r = torch.linalg.qr(torch.randn(OPERAND_ROTATION, OPERAND_ROTATION, generator=g,
+                                               dtype=torch.float64))
+            self.q = q * torch.sign(torch.diagonal(r))
+        else:
+            self.signs = [random_signs(OPERAND_ROTATION, g, "cpu") for _ in range(2 if kind == "two" else 1)]
 
-    GEMM level, ``gemm ms_eden (post hoc)`` and ``gemm ms_eden energy (post hoc)``: quartet2's
-    backward GEMM ``X Yᵀ`` as training runs it, both operands rotated by the same signs, fresh
-    each draw (they cancel in the product), then quantized by post hoc MS-EDEN, against the
-    exact ``X Yᵀ``; ``Y`` is a second Gaussian of the same shape (from ``seed + 1``)."""
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        if self.kind == "haar":
+            return (t.double().reshape(*t.shape[:-1], -1, OPERAND_ROTATION) @ self.q).reshape(t.shape).float()
+        for s in self.signs:
+            t = rotate(t, s)
+        return t
+
+    def undo(self, t: torch.Tensor) -> torch.Tensor:
+        if self.kind == "haar":
+            return (t.double().reshape(*t.shape[:-1], -1, OPERAND_ROTATION) @ self.q.T).reshape(t.shape)
+        for s in reversed(self.signs):
+            t = unrotate(t, s)
+        return t.double()
+
+
+Quantize = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
+def _eden(posthoc: bool, correction: str) -> Quantize:
+    """MS-EDEN steps 2–6 (post hoc or with the tensor amax) of a rotated tensor, its scale draws
+    from ``g``; the dequantized estimate, in the rotated basis."""
+    def quantize(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        u = torch.rand((*t.shape[:-1], t.shape[-1] // 16), generator=g)
+        return quantize_ms_eden(t, u, chunk=OPERAND_ROTATION, posthoc=posthoc, correction=correction).dequantize()
+    return quantize
+
+
+def _sr(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    return quantize_sr(t, torch.rand(t.shape, generator=g)).dequantize()
+
+
+def operand_estimators(x: torch.Tensor, seed: int, y: torch.Tensor | None = None
+                       ) -> dict[str, tuple[torch.Tensor, Callable[[int], torch.Tensor]]]:
+    """The estimators of the direct test, each as (the tensor it estimates, a function of the
+    draw index returning one estimate). Draw ``i`` takes its uniforms and its rotation from a
+    generator seeded ``(seed, i)``.
+
+    One fixed rotation (its signs from ``seed``), against the rotated tensor: ``ms_eden`` and
+    ``ms_eden (post hoc)`` (steps 2–6), ``ms_eden energy`` and its post hoc form (the
+    energy-weighted correction, :func:`~quant.quantizers.quantize_ms_eden`'s ``correction``).
+    Along the rotated tensor these are the estimators as a kernel sees them; across its other
+    directions a fixed rotation's RTN error is deterministic, so only a fresh rotation can
+    make it average out.
+
+    Fresh rotation each draw, rotated back and against ``x``: ``rtn, fresh rotation`` (SPEC
+    §5's example of a bias a slope misses), ``sr, fresh rotation`` (tetrajet_v2's operands),
+    ``ms_eden[ energy][ (post hoc)], fresh rotation`` (quartet2's operands as training draws
+    them), and, with the energy correction post hoc, ``two fresh rotations`` and ``a fresh
+    Haar rotation`` (:class:`Rotation`). Without rotation: ``sr`` (SPEC §2, 1×16 SR) and
+    ``sr+4/6`` (4/6 selection on SR: the biased control).
+
+    GEMM level, against the exact ``X Yᵀ`` (``y``: a second Gaussian of ``x``'s shape from
+    ``seed + 1`` unless given; the GEMM reduces over the last dim): ``gemm ms_eden (post hoc)``
+    and ``gemm ms_eden energy (post hoc)``, quartet2's backward GEMM as training runs it (both
+    operands rotated by the same fresh signs, then post hoc MS-EDEN); ``gemm ms_eden energy
+    (post hoc), two rotations`` and ``…, Haar rotation`` with those rotations; ``gemm sr``
+    (both operands SR after the same fresh rotation: tetrajet_v2's GEMMs)."""
     fixed = random_signs(OPERAND_ROTATION, torch.Generator().manual_seed(seed), "cpu")
     x_rot = rotate(x, fixed)
-    y = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1))
+    if y is None:
+        y = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1))
     xy = x.double() @ y.double().T
-    groups = (*x.shape[:-1], x.shape[-1] // 16)
 
     def gen(i: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed * 1_000_003 + i)
 
-    def eden(posthoc: bool, correction: str):
-        return lambda i: quantize_ms_eden(x_rot, torch.rand(groups, generator=gen(i)), chunk=OPERAND_ROTATION,
-                                          posthoc=posthoc, correction=correction).dequantize()
+    def fixed_rotation(quantize: Quantize):
+        return lambda i: quantize(x_rot, gen(i))
 
-    def gemm(correction: str):
+    def fresh(quantize: Quantize, kind: str = "hadamard"):
         def draw(i: int) -> torch.Tensor:
             g = gen(i)
-            signs = random_signs(OPERAND_ROTATION, g, "cpu")
-            xq, yq = (quantize_ms_eden(rotate(t, signs), torch.rand(groups, generator=g), chunk=OPERAND_ROTATION,
-                                       posthoc=True, correction=correction).dequantize()
-                      for t in (x, y))
-            return xq.double() @ yq.double().T
+            r = Rotation(kind, g)
+            return r.undo(quantize(r.apply(x), g))
         return draw
 
-    def rtn_fresh(i: int) -> torch.Tensor:
-        signs = random_signs(OPERAND_ROTATION, gen(i), "cpu")
-        return unrotate(quantize_rtn(rotate(x, signs)).dequantize(), signs)
+    def gemm(quantize: Quantize, kind: str = "hadamard"):
+        def draw(i: int) -> torch.Tensor:
+            g = gen(i)
+            r = Rotation(kind, g)
+            xq, yq = (quantize(r.apply(t), g).double() for t in (x, y))
+            return xq @ yq.T
+        return draw
 
+    energy = _eden(True, "energy")
     return {
-        "sr": (x, lambda i: quantize_sr(x, torch.rand(x.shape, generator=gen(i))).dequantize()),
+        "sr": (x, lambda i: _sr(x, gen(i))),
         "sr+4/6": (x, lambda i: quantize_sr(x, torch.rand(x.shape, generator=gen(i)),
                                             four_over_six=True).dequantize()),
-        "ms_eden": (x_rot, eden(False, "chunk_scaled")),
-        "ms_eden (post hoc)": (x_rot, eden(True, "chunk_scaled")),
-        "ms_eden energy": (x_rot, eden(False, "energy")),
-        "ms_eden energy (post hoc)": (x_rot, eden(True, "energy")),
-        "rtn, fresh rotation": (x, rtn_fresh),
-        "gemm ms_eden (post hoc)": (xy, gemm("chunk_scaled")),
-        "gemm ms_eden energy (post hoc)": (xy, gemm("energy")),
+        "ms_eden": (x_rot, fixed_rotation(_eden(False, "chunk_scaled"))),
+        "ms_eden (post hoc)": (x_rot, fixed_rotation(_eden(True, "chunk_scaled"))),
+        "ms_eden energy": (x_rot, fixed_rotation(_eden(False, "energy"))),
+        "ms_eden energy (post hoc)": (x_rot, fixed_rotation(energy)),
+        "rtn, fresh rotation": (x, fresh(lambda t, g: quantize_rtn(t).dequantize())),
+        "sr, fresh rotation": (x, fresh(_sr)),
+        "ms_eden, fresh rotation": (x, fresh(_eden(False, "chunk_scaled"))),
+        "ms_eden (post hoc), fresh rotation": (x, fresh(_eden(True, "chunk_scaled"))),
+        "ms_eden energy, fresh rotation": (x, fresh(_eden(False, "energy"))),
+        "ms_eden energy (post hoc), fresh rotation": (x, fresh(energy)),
+        "ms_eden energy (post hoc), two fresh rotations": (x, fresh(energy, "two")),
+        "ms_eden energy (post hoc), fresh Haar rotation": (x, fresh(energy, "haar")),
+        "gemm ms_eden (post hoc)": (xy, gemm(_eden(True, "chunk_scaled"))),
+        "gemm ms_eden energy (post hoc)": (xy, gemm(energy)),
+        "gemm ms_eden energy (post hoc), two rotations": (xy, gemm(energy, "two")),
+        "gemm ms_eden energy (post hoc), Haar rotation": (xy, gemm(energy, "haar")),
+        "gemm sr": (xy, gemm(_sr)),
     }
 
 
+def synthetic_operands(distribution: str, shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """X (from ``seed``) and Y (from ``seed + 1``), both of ``shape``: standard Gaussians, or
+    heavy-tailed ones (:data:`HEAVY_SIGMA`)."""
+    def one(s: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(s)
+        t = torch.randn(shape, generator=g)
+        return t * torch.exp(HEAVY_SIGMA * torch.randn(shape, generator=g)) if distribution == "heavy" else t
+    if distribution not in ("gaussian", "heavy"):
+        raise StudyError(f"unknown synthetic distribution {distribution!r}; choose gaussian or heavy")
+    return one(seed), one(seed + 1)
+
+
+def model_operands(model: Llama, x: torch.Tensor, y: torch.Tensor, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block linear's wgrad operands on a fixed batch, exact (FP32, no quantization): ``Xᵀ``
+    (in-features × tokens, the layer's input) and ``Eᵀ`` (out-features × tokens, the gradient
+    of the loss with respect to its output), grouped and rotated along tokens as quartet2's
+    wgrad does; their product ``Xᵀ E`` is the layer's weight gradient, transposed."""
+    resolve_layers(model, [layer])
+    tokens = x.numel()
+    if tokens % OPERAND_ROTATION:
+        raise StudyError(f"{tokens} tokens in the batch; the rotation along tokens needs a multiple of "
+                         f"{OPERAND_ROTATION} (choose --batch and --seq-len accordingly)")
+    module = model.get_submodule(layer)
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(_mod, inputs, output):
+        seen["x"] = inputs[0].detach()
+        output.register_hook(lambda grad: seen.__setitem__("e", grad.detach()))
+
+    handle = module.register_forward_hook(hook)
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        module.weight.requires_grad_(True)
+        _loss(model, x, y).backward()
+    finally:
+        handle.remove()
+    return (seen["x"].reshape(tokens, -1).T.contiguous().float(),
+            seen["e"].reshape(tokens, -1).T.contiguous().float())
+
+
 def operand_study(draws: int, seed: int = 0, names: list[str] | None = None,
-                  shape: tuple[int, int] = OPERAND_SHAPE) -> dict[str, BiasStat]:
-    """The direct bias statistic (analysis.bias) of each operand estimator on a fixed Gaussian
-    tensor of ``shape`` (SPEC §5's 256×1024 by default), over ``draws`` draws."""
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    estimators = operand_estimators(x, seed)
+                  shape: tuple[int, int] = OPERAND_SHAPE, distribution: str = "gaussian",
+                  operands: tuple[torch.Tensor, torch.Tensor] | None = None, y_equals_x: bool = False,
+                  directions: int = DIRECTIONS) -> dict[str, EstimatorBias]:
+    """Both bias statistics (analysis.bias: along the target, and Hotelling's T² over
+    ``directions`` random directions from ``seed``) of each estimator of
+    :func:`operand_estimators`, over ``draws`` draws, on fixed operands: ``operands`` when
+    given (e.g. :func:`model_operands`), else :func:`synthetic_operands` of ``distribution``
+    and ``shape`` (SPEC §5's 256×1024 by default). ``y_equals_x``: the GEMM estimators take
+    ``Y = X``."""
+    x, y = operands if operands is not None else synthetic_operands(distribution, shape, seed)
+    estimators = operand_estimators(x, seed, x if y_equals_x else y)
     if unknown := sorted(set(names or []) - set(estimators)):
         raise StudyError(f"unknown operand estimator(s) {unknown}; choose from {sorted(estimators)}")
-    return {name: estimator_bias(draw, exact, draws)
+    return {name: estimator_bias(draw, exact, draws, directions, seed)
             for name, (exact, draw) in estimators.items() if names is None or name in names}
 
 
-def operand_markdown(stats: dict[str, BiasStat], seed: int) -> str:
-    rows = [f"## Direct bias test of the quantizers: fixed {OPERAND_SHAPE[0]}×{OPERAND_SHAPE[1]} Gaussian "
-            f"(seed {seed}), rotation {OPERAND_ROTATION}", "",
-            "| estimator | draws | z along the target | shrinkage ± se | verdict |", "|---|---:|---:|---:|---|"]
+def operand_markdown(stats: dict[str, EstimatorBias], seed: int, what: str) -> str:
+    k = next((st.directions.k for st in stats.values() if st.directions is not None), DIRECTIONS)
+    rows = [f"## Direct bias test of the quantizers: {what} (seed {seed}), rotation {OPERAND_ROTATION}", "",
+            f"| estimator | draws | z along the target | shrinkage ± se | T² over {k} random directions (p) "
+            "| bias² | MSE | verdict |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, st in stats.items():
-        rows.append(f"| {name} | {st.n} | {st.z:+.1f} | {st.shrinkage:+.2e} ± {st.se:.1e} | "
+        a, d = st.along, st.directions
+        spread = "—" if d is None else f"{d.t2:.1f} ({d.p_value:.1e})"
+        size = "— | —" if d is None else f"{d.bias2:+.1e} | {d.mse:.2e}"
+        rows.append(f"| {name} | {a.n} | {a.z:+.1f} | {a.shrinkage:+.2e} ± {a.se:.1e} | {spread} | {size} | "
                     + ("**biased**" if st.biased else "no bias seen") + " |")
     rows += ["", "The target is the tensor X for an operand estimator and the exact product X Yᵀ for a GEMM "
              "estimator (gemm ...). "
              f"z = mean of p = ⟨X̂ − X, X⟩/‖X‖² over the draws (X the target), divided by its standard error: N(0, 1) "
-             f"for an unbiased estimator; biased when |z| > {Z_FLAG:g} (analysis.bias derives the threshold). "
-             "Shrinkage = −mean p: E[X̂] = (1 − shrinkage)·X along X.", ""]
+             f"for an unbiased estimator; biased when |z| > {Z_FLAG:g}. T²: Hotelling's statistic of the "
+             "projections of X̂ − X on fixed random directions, with its p-value under no bias; biased when "
+             f"p < {P_FLAG:.1e} (the rate of |z| > {Z_FLAG:g}). analysis.bias derives both. "
+             "Shrinkage = −mean p: E[X̂] = (1 − shrinkage)·X along X. bias² estimates ‖E[X̂] − X‖²/‖X‖² (noise "
+             "removed, so about 0 ± its noise when unbiased), MSE is one draw's ‖X̂ − X‖²/‖X‖².", ""]
     return "\n".join(rows)
 
 
@@ -430,10 +562,19 @@ def main(argv: list[str] | None = None) -> int:
                         "extra threads slow down on small models; raise it for large ones)")
     p.add_argument("--out-dir", type=Path, default=Path("unbiasedness"), help="where the md/png/json go")
     p.add_argument("--operands", type=int, metavar="DRAWS",
-                   help="instead of the layer study: the direct bias test of the operand quantizers on a "
-                        "fixed 256×1024 Gaussian, with DRAWS draws each (OUT_DIR/operand_bias.md and .json)")
+                   help="instead of the layer study: the direct bias test of the operand quantizers and of "
+                        "quartet2's GEMM on fixed operands (--distribution), with DRAWS draws each "
+                        "(OUT_DIR/operand_bias.md and .json)")
     p.add_argument("--estimators", nargs="+", metavar="NAME",
                    help="with --operands: only these estimators (default: all; an unknown name lists them)")
+    p.add_argument("--distribution", choices=DISTRIBUTIONS, default="gaussian",
+                   help="with --operands: 256×1024 Gaussian operands (default), heavy-tailed ones "
+                        "(N·exp(1.5·N')), or 'model': the wgrad operands Xᵀ, Eᵀ of the first --layers "
+                        "layer of --model on the fixed batch (--batch × --seq-len tokens, a multiple of 128)")
+    p.add_argument("--y-equals-x", action="store_true",
+                   help="with --operands: the GEMM estimators multiply X by itself (Y = X)")
+    p.add_argument("--directions", type=int, default=DIRECTIONS,
+                   help=f"with --operands: random directions of the T² test (even; default {DIRECTIONS}; 0: none)")
     a = p.parse_args(argv)
     if a.operands is not None:
         return _operands_main(a)
@@ -471,18 +612,39 @@ def _operands_main(a: argparse.Namespace) -> int:
     if a.operands < 2:
         print(f"error: --operands needs at least 2 draws, got {a.operands}", file=sys.stderr)
         return 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(a.threads)
     try:
-        stats = operand_study(a.operands, a.seed, a.estimators)
-    except StudyError as err:
+        operands = None
+        what = f"fixed {OPERAND_SHAPE[0]}×{OPERAND_SHAPE[1]} {a.distribution} operands"
+        if a.distribution == "model":
+            torch.manual_seed(a.seed)
+            model, cfg, source = load_model(a.model, a.seed, "cpu")
+            x, y = fixed_batch(cfg, a.batch, a.seq_len, a.seed, a.data)
+            operands = model_operands(model, x, y, a.layers[0])
+            what = (f"{a.layers[0]}'s wgrad operands Xᵀ {tuple(operands[0].shape)} and Eᵀ "
+                    f"{tuple(operands[1].shape)} of {source}, batch {a.batch}×{a.seq_len}")
+        if a.y_equals_x:
+            what += ", GEMMs with Y = X"
+        stats = operand_study(a.operands, a.seed, a.estimators, distribution=a.distribution,
+                              operands=operands, y_equals_x=a.y_equals_x, directions=a.directions)
+    except (StudyError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    text = operand_markdown(stats, a.seed)
+    finally:
+        torch.set_num_threads(threads)
+    text = operand_markdown(stats, a.seed, what)
     print(text)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     (a.out_dir / "operand_bias.md").write_text(text + "\n")
     (a.out_dir / "operand_bias.json").write_text(json.dumps(
-        {"shape": OPERAND_SHAPE, "rotation": OPERAND_ROTATION, "seed": a.seed,
-         "estimators": {n: vars(st) | {"biased": st.biased} for n, st in stats.items()}}, indent=2) + "\n")
+        {"operands": what, "distribution": a.distribution, "rotation": OPERAND_ROTATION, "seed": a.seed,
+         "y_equals_x": a.y_equals_x,
+         "estimators": {n: {"along": vars(st.along) | {"biased": st.along.biased},
+                            "directions": None if st.directions is None
+                            else vars(st.directions) | {"biased": st.directions.biased},
+                            "biased": st.biased}
+                        for n, st in stats.items()}}, indent=2) + "\n")
     return 0
 
 
