@@ -584,10 +584,10 @@ def test_zero_tensor():
 
 @pytest.mark.parametrize("amax", [1e-42, 2.0**-146])
 def test_tiny_tensor_scale_floor(amax):
-    """A tensor whose ``amax / target`` rounds to 0 (1e-42: for every target) or nearly
-    (2^-146): every kernel quantizer gives the reference's floored tensor scale (2^-149 when
-    the quotient is 0, SPEC §2) and its values bit for bit, all finite, on rows and columns;
-    all-zero groups come out 0, not NaN."""
+    """Tensors whose ``amax / target`` rounds to 0 for every target (1e-42 and 2^-146, before
+    or after a rotation): every kernel quantizer gives the reference's floored tensor scale
+    2^-149 (SPEC §2) and its values bit for bit, all finite, on rows and columns; all-zero
+    groups come out 0, not NaN."""
     x = torch.zeros(128, 256)
     x[0, 0] = amax
     x[1, 16:20] = torch.tensor([1.0, -2.0, 3.0, -5.0]) * 2.0**-149

@@ -168,8 +168,9 @@ def test_inf_in_x_makes_y_and_dw_non_finite(case):
 # --- finite inputs too small for SPEC §2's tensor scale: never NaN ------------------------------
 
 TINY_AMAXES = [1e-42, 2.0**-149, 2.0**-146, 2.0**-140]
-"""Tensor amaxes whose ``amax / target`` rounds to 0 for every quantizer's target (below
-``target · 2^-150``, 1.9e-42 for RTN's 6·448 and 1.4e-42 for 4/6's 6·256), and two just above."""
+"""Tensor amaxes whose ``amax / target`` rounds to 0 for every quantizer's target (they lie below
+``target · 2^-150``: 1.9e-42 for RTN's 6·448, 1.1e-42 for 4/6's 6·256 and MS-EDEN's 255.99·v),
+from FP32's least positive value up."""
 
 
 def _tiny(amax: float) -> torch.Tensor:
