@@ -224,10 +224,10 @@ def test_local_launcher_sweep(data_cache, tmp_path):
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["steps"] == 2 and summary["scheme"] == scheme and math.isfinite(summary["final_val_loss"])
         rows = read_metrics(run_dir)
-        assert [r["step"] for r in rows if "step" in r] == [0, 1, 2]
-        # The jobs run side by side: gaps to a bf16 run that ended later are filled in at the end,
-        # on their own axis (Tracker.log_after), and are the only rows without a step.
-        assert all("gap_step" in r for r in rows if "step" not in r), rows
+        assert [r["step"] for r in rows if "gap_step" not in r or "val/loss" in r] == [0, 1, 2]
+        # The jobs run side by side: gaps to a bf16 run that ended later are filled in at the end
+        # (Tracker.log_after) as rows of their own step, the step of the losses they compare.
+        assert all("step" in r for r in rows) and all(r["step"] == r["gap_step"] for r in rows if "gap_step" in r), rows
     assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_result.pkl"))) == 2
     assert "sweep: 2 of 2 job(s) finished" in proc.stdout
 
