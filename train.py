@@ -10,14 +10,17 @@ training/trainer.py. See README.md, docs/reliability.md and docs/performance.md.
 
 from __future__ import annotations
 
+from training.cpu_kernels import pin as pin_cpu_kernels
 from training.preemption import install_early
 
 
 def main() -> None:
     """The command line. Stop requests (SIGTERM, SIGUSR1, Ctrl-C) that arrive while torch imports
     are recorded, not lost: the handlers go in before anything heavy is imported
-    (training/preemption.py)."""
+    (training/preemption.py). The CPU kernels are chosen before torch loads too, so that a CPU run
+    gives the same numbers on every x86-64 machine (training/cpu_kernels.py)."""
     install_early()
+    pin_cpu_kernels()
     from training.cli import main as train_from_command_line
 
     train_from_command_line()

@@ -42,6 +42,8 @@ from quant import backend as quant_backend
 
 from .checkpoint import Checkpointer, CheckpointError, TrainState, check_fingerprint, config_fingerprint, read_extra
 from .config_checks import check_train_config
+from .cpu_kernels import describe as describe_cpu_kernels
+from .cpu_kernels import resolve_precision
 from .distributed import AnyRankLagged, DistInfo, barrier, init_distributed, shutdown
 from .errors import Interrupted, Preempted, TrainingError
 from .identity import total_steps
@@ -112,6 +114,7 @@ def train(cfg: DictConfig, di: DistInfo, handle_ctrl_c: bool = False) -> dict[st
     """Check the settings, decide between resuming and a fresh start, watch for stop requests,
     then build the :class:`Trainer` and train."""
     check_train_config(cfg, di.world_size)
+    cfg.precision = resolve_precision(cfg.precision, di.device.type)  # the fingerprint holds what ran
     run_dir = run_dir_of(cfg)
     checkpoints = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
                                async_save=cfg.train.async_checkpoint, is_main=di.is_main)
@@ -136,6 +139,9 @@ class Trainer:
         self.cfg, self.di, self.run_dir, self.checkpoints = cfg, di, run_dir, checkpoints
         self.latest, self.notes, self.preemption = latest, notes, preemption
         self.autocast = cfg.precision == "bf16"
+        cpu_kernels = describe_cpu_kernels(di.device.type)
+        if cpu_kernels:
+            self.notes.append(cpu_kernels)
         torch.manual_seed(cfg.seed)
         quant.set_quant_rng(seed=cfg.seed, rank=di.rank)
         self.data_dir = self._prepare_data()
