@@ -159,9 +159,13 @@ def quantized_gemm(
     dtype: torch.dtype,
     delayed: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, NVFP4Tensor | None, NVFP4Tensor | None]:
+    b_quantized: PackedNVFP4 | None = None,
+) -> tuple[torch.Tensor, NVFP4Tensor | PackedNVFP4 | None, NVFP4Tensor | PackedNVFP4 | None]:
     """``A · Bᵀ`` under one GEMM's quantization. Returns the product (computed in ``dtype``,
     returned in ``out_dtype``, default ``dtype``) and the quantized operands.
+
+    ``b_quantized``: B already quantized by ``gemm.b`` (a deterministic quantizer: the forward's
+    Ŵ of this optimizer step, :mod:`quant.step_weights`), used as it is.
 
     Draws (:mod:`quant.randomness`; ``layer`` is the layer's :func:`~quant.randomness.layer_ids`):
     on the kernel path with Philox draws (the default), the signs and each operand's uniforms
@@ -185,7 +189,10 @@ def quantized_gemm(
     # The forward's quantized operands are what the layer may save; native GEMMs read all packed.
     pack = role == "forward" or native
     fa, qa = _quantize(a, gemm.a, signs, rng_a, gemm.rotation, delayed, _AMAX_SLOT[role, "a"], pack)
-    fb, qb = _quantize(b, gemm.b, signs, rng_b, gemm.rotation, delayed, _AMAX_SLOT[role, "b"], pack)
+    if b_quantized is None:
+        fb, qb = _quantize(b, gemm.b, signs, rng_b, gemm.rotation, delayed, _AMAX_SLOT[role, "b"], pack)
+    else:
+        fb, qb = _saved_factor(b_quantized), b_quantized
     if native:
         pa, pb = _native_operand(fa, qa), _native_operand(fb, qb)
         if pa is not None and pb is not None:
@@ -201,6 +208,8 @@ def _native_operand(f, q) -> PackedNVFP4 | None:
     the factor is its transpose, which 16×16 tiles allow; :meth:`PackedNVFP4.transposed`).
     None when the factor is not NVFP4 (high precision, or a 1×16 tensor read across its
     groups): the GEMM then runs emulated."""
+    if isinstance(q, PackedNVFP4):
+        return q
     if q is not None:
         return q.pack()
     packed = getattr(f, "packed", None)
@@ -231,21 +240,26 @@ class QuantizedLinearFunction(torch.autograd.Function):
 
     Saves for backward what the scheme says: X in high precision or X̂ packed, and Ŵ packed
     when dgrad reuses the forward's quantized weight (W itself is a parameter, kept anyway).
+    ``w_data``, ``w_scales``, ``w_scale``, ``w_tile``: the packed Ŵ of this optimizer step
+    (:mod:`quant.step_weights`), used instead of quantizing W again; None: W is quantized here.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, scheme: Scheme, layer: torch.Tensor, delayed_amax):  # type: ignore[override]
+    def forward(ctx, x, weight, scheme: Scheme, layer: torch.Tensor, delayed_amax,  # type: ignore[override]
+                w_data=None, w_scales=None, w_scale=None, w_tile=None):
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
+        step_w = None if w_data is None else PackedNVFP4(w_data, w_scales, w_scale, -1, w_tile)
         with torch.autocast(x.device.type, enabled=False):
             y, xq, wq = quantized_gemm(
-                Factor(x2), Factor(weight), scheme.forward, "forward", layer, dtype, delayed_amax
+                Factor(x2), Factor(weight), scheme.forward, "forward", layer, dtype, delayed_amax,
+                b_quantized=step_w,
             )
         packed = {}
         if scheme.saves_quantized_x and xq is not None:
             packed["x"] = xq.pack()
         if scheme.saves_quantized_w and wq is not None:
-            packed["w"] = wq.pack()
+            packed["w"] = wq if isinstance(wq, PackedNVFP4) else wq.pack()
         ctx.scheme, ctx.dtype = scheme, dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.delayed_amax = delayed_amax
@@ -279,7 +293,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
                     Factor(e.t()), x_src.T, scheme.wgrad, "wgrad", layer, ctx.dtype,
                     ctx.delayed_amax, weight.dtype,
                 )
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def quantized_linear(
@@ -288,13 +302,18 @@ def quantized_linear(
     scheme: Scheme,
     layer: int | torch.Tensor = 0,
     delayed_amax: torch.Tensor | None = None,
+    step_weight: PackedNVFP4 | None = None,
 ) -> torch.Tensor:
     """Functional form of :class:`QuantizedLinearFunction` (no bias). ``layer``: the layer
     index, or its :func:`~quant.randomness.layer_ids` on ``x``'s device (what
-    :class:`QuantLinear` passes: data, so compiled blocks don't specialise on it)."""
+    :class:`QuantLinear` passes: data, so compiled blocks don't specialise on it).
+    ``step_weight``: the forward's Ŵ of this optimizer step (:mod:`quant.step_weights`)."""
     if not isinstance(layer, torch.Tensor):
         layer = randomness.cached_layer_ids(layer, x.device)
-    return QuantizedLinearFunction.apply(x, weight, scheme, layer, delayed_amax)
+    if step_weight is None:
+        return QuantizedLinearFunction.apply(x, weight, scheme, layer, delayed_amax)
+    return QuantizedLinearFunction.apply(x, weight, scheme, layer, delayed_amax, step_weight.data,
+                                         step_weight.scales, step_weight.tensor_scale, step_weight.tile)
 
 
 def check_linear_shape(name: str, in_features: int, out_features: int, scheme: Scheme) -> None:
@@ -363,6 +382,8 @@ class QuantLinear(nn.Linear):
             self.register_buffer("delayed_amax", torch.zeros(6, device=device))
         else:
             self.delayed_amax = None
+        # The forward's Ŵ while an optimizer step runs (quant.step_weights), else None.
+        self.step_weight: PackedNVFP4 | None = None
 
     def reset_buffers(self) -> None:
         """Refill the buffers (after ``to_empty``): the layer ids and a zero delayed amax."""
@@ -374,7 +395,7 @@ class QuantLinear(nn.Linear):
         tokens = x.numel() // x.shape[-1]
         if tokens % token_multiple(self.scheme):  # the name only here: compiled blocks don't guard it
             check_token_count(self.layer_name, tokens, self.scheme)
-        y = quantized_linear(x, self.weight, self.scheme, self.layer_ids, self.delayed_amax)
+        y = quantized_linear(x, self.weight, self.scheme, self.layer_ids, self.delayed_amax, self.step_weight)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -32,6 +32,7 @@ from torch.nn.utils import get_total_norm
 
 from quant import backend as quant_backend
 from quant import randomness
+from quant.step_weights import quantized_once
 
 from .distributed import all_reduce_max, all_reduce_mean
 from .errors import ConfigError
@@ -223,23 +224,9 @@ class TrainStep:
              set_key: Callable[[int], None]) -> torch.Tensor:
         model, accum = self.model, self.accum
         loss_sum = torch.zeros((), device=self.device)
-        for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
-            if micro == 0 and self.block_graphs:
-                # Once per optimizer step: a later micro-step's replay would overwrite the graph
-                # outputs that the gradients being accumulated still are.
-                torch.compiler.cudagraph_mark_step_begin()
-            if self.cuda_graph:
-                set_key(micro)
-            else:
-                randomness.set_quant_step(step, micro)
-            if self.fsdp:
-                model.set_requires_gradient_sync(micro == accum - 1)
-            # autocast's cast cache must be off inside a CUDA graph capture
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast,
-                                cache_enabled=not self.cuda_graph):
-                loss = model(x, y)
-            (loss / accum).backward()
-            loss_sum += loss.detach().float()
+        with quantized_once(model):  # Ŵ once per step, not per micro-batch (quant/step_weights.py)
+            for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+                loss_sum += self._micro_step(step, micro, x, y, set_key)
         loss_mean = all_reduce_mean(loss_sum / accum)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip)
         if isinstance(grad_norm, DTensor):
@@ -247,3 +234,23 @@ class TrainStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return torch.stack([loss_mean, grad_norm.float(), param_max_abs(model.parameters())])
+
+    def _micro_step(self, step: int, micro: int, x: torch.Tensor, y: torch.Tensor,
+                    set_key: Callable[[int], None]) -> torch.Tensor:
+        """Forward and backward of micro-batch ``micro``; its loss, detached, in FP32."""
+        if micro == 0 and self.block_graphs:
+            # Once per optimizer step: a later micro-step's replay would overwrite the graph
+            # outputs that the gradients being accumulated still are.
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.cuda_graph:
+            set_key(micro)
+        else:
+            randomness.set_quant_step(step, micro)
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(micro == self.accum - 1)
+        # autocast's cast cache must be off inside a CUDA graph capture
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast,
+                            cache_enabled=not self.cuda_graph):
+            loss = self.model(x, y)
+        (loss / self.accum).backward()
+        return loss.detach().float()
