@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -528,13 +529,19 @@ def test_sigkilled_preparation_resumes_to_the_same_bytes(
     rng = random.Random(seed)
     out = tmp_path / "killed"
     args = prepare_args(tokenizer, corpus_dir, out) + ["--num-workers", "2"]
-    finished_at_kill = []
-    for _attempt in range(8):
+    finished_at_kill: list[int] = []
+    longest = 3.0  # seconds from the first unit's start to the kill, at most
+    for _attempt in range(10):
         proc = run_prepare(args)
         deadline = time.monotonic() + 120
         while proc.poll() is None and not writing(out, proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)  # until it tokenizes its first unit
-        time.sleep(rng.uniform(0, 3.0))
+        time.sleep(rng.uniform(0, longest))
+        if proc.poll() is not None and not finished_at_kill:  # finished before any kill: again
+            proc.wait()
+            shutil.rmtree(out)
+            longest /= 2
+            continue
         if proc.poll() is not None:
             break
         finished_at_kill.append(len(list((out / "ledger").glob("*.json"))))
