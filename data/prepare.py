@@ -504,6 +504,7 @@ def prepare(
         return out
     with _locked(out):
         if job.complete():
+            job.tidy()
             return out
         _claim(out, recipe)
     if tokenize:
@@ -511,7 +512,9 @@ def prepare(
         if units.needed_records(out, recipe["sources"], max_tokens)[1]:
             return out  # other parts are unfinished: the last part to finish runs the final step
     with _locked(out):
-        if not job.complete():
+        if job.complete():
+            job.tidy()
+        else:
             job.finalize()
     return out
 
@@ -563,9 +566,21 @@ class _Job:
                 if self._beyond_max_tokens(unit):
                     break
                 stream = _encoded(self._unit_documents(unit), self.tokenizer, pool, num_workers)
-                with contextlib.closing(stream):
-                    units.write_unit(self.out, unit, self.sources[unit], stream)
+                try:
+                    with contextlib.closing(stream):
+                        units.write_unit(self.out, unit, self.sources[unit], stream)
+                except FileNotFoundError:
+                    if (self.out / MANIFEST).is_file():
+                        break  # the final step ran meanwhile and removed this unneeded unit's files
+                    raise
                 bar.update(1)
+
+    def tidy(self) -> None:
+        """Remove what parts still running wrote after the final step: units past the
+        manifest's, and temporary files."""
+        manifest = load_manifest(self.out)
+        if manifest.get("format_version", 1) >= 2:
+            units.prune(self.out, len(manifest["units"]))
 
     def _beyond_max_tokens(self, unit: int) -> bool:
         """Whether the finished units before ``unit`` already hold ``max_tokens`` tokens."""

@@ -592,6 +592,26 @@ def test_final_step_names_unfinished_missing_and_corrupt_units(
     assert_same_dataset(out, multi_reference)
 
 
+def test_parts_past_max_tokens_leave_the_same_dataset(
+    tmp_path: Path, multi_reference: Path, tokenizer: Tokenizer, corpus_dir: Path
+) -> None:
+    """With ``max_tokens`` inside the third file, the second part (files 3 to 5, all past it) is
+    tokenized before the first part finishes; the final step removes those units, and the result
+    is the single process's, which never tokenized them."""
+    cut = sum(u["tokens"] for u in load_manifest(multi_reference)["units"][:2]) + 1000
+    kwargs = dict(val_fraction=MULTI_VAL_FRACTION, max_tokens=cut, num_workers=1, progress=False)
+    single = prepare(tmp_path / "single", tokenizer.path, [corpus_dir], **kwargs)
+    assert len(list((single / "ledger").glob("*.json"))) == 3
+    out = tmp_path / "parts"
+    prepare(out, tokenizer.path, [corpus_dir], part=(1, 2), **kwargs)
+    assert len(list((out / "units").glob("*.bin"))) == 3 and not (out / "manifest.json").exists()
+    prepare(out, tokenizer.path, [corpus_dir], part=(0, 2), **kwargs)
+    assert_same_dataset(out, single)
+    units.write_json(units.record_path(out, 5), {"unit": 5})  # what a late part may leave
+    assert prepare(out, tokenizer.path, [corpus_dir], part=(1, 2), **kwargs) == out
+    assert_same_dataset(out, single)
+
+
 def test_parts_must_share_the_recipe(
     tmp_path: Path, tokenizer: Tokenizer, corpus_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
