@@ -1,10 +1,11 @@
-"""Memory-mapped loading of prepared token shards, with a checkpointable, rank-independent state.
+"""Memory-mapped loading of prepared datasets, with a checkpointable, rank-independent state.
 
-A split's shards form one token stream of ``T`` tokens. Sample ``i`` is the window of
+A split is one token stream of ``T`` tokens: format 2's extents of the unit files, or format 1's
+shards, in the manifest's order. Sample ``i`` is the window of
 ``seq_len + 1`` tokens starting at ``i * seq_len``, for ``i`` in ``[0, (T - 1) // seq_len)``;
 consecutive windows overlap by one token, so every token after the first is a target exactly once
 per epoch. Epoch ``e`` visits the samples in the order of a permutation drawn from
-``numpy.random.default_rng((seed, e))``.
+``numpy.random.default_rng((seed, e))`` (`sample_order`).
 
 The state is global: (epoch, position in that epoch's order, seed, dataset fingerprint). Each
 `TokenLoader.next_batch` takes the next ``global_batch_size`` samples of the order (continuing into
