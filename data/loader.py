@@ -46,13 +46,13 @@ def _open_token_file(path: Path, tokens: int, dtype: np.dtype) -> np.ndarray:
     or not of the manifest's size."""
     if not path.is_file():
         raise FileNotFoundError(
-            f"shard {path} of the manifest is missing. The dataset was changed after "
+            f"token file {path} of the manifest is missing. The dataset was changed after "
             "preparation: prepare it again (the same call repairs it)."
         )
     expected = tokens * dtype.itemsize
     if path.stat().st_size != expected:
         raise ValueError(
-            f"shard {path} is {path.stat().st_size} bytes; the manifest expects "
+            f"token file {path} is {path.stat().st_size} bytes; the manifest expects "
             f"{expected}. The dataset was changed after preparation: prepare it again "
             "(the same call repairs it)."
         )

@@ -278,7 +278,7 @@ def stream_sha256(out_dir: Path, extents: Sequence[Sequence[int]], dtype: np.dty
     for unit, offset, tokens in extents:
         if unit not in maps:
             maps = {unit: np.memmap(unit_files(out_dir, unit)[0], dtype=dtype, mode="r")}
-        digest.update(maps[unit][offset : offset + tokens].tobytes())
+        digest.update(maps[unit][offset : offset + tokens])  # a contiguous view: no copy
     return digest.hexdigest()
 
 
