@@ -249,7 +249,7 @@ def _train_documents(
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The shard dtype: little-endian uint16 when every id fits in 16 bits, else uint32."""
+    """The token dtype: little-endian uint16 when every id fits in 16 bits, else uint32."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
@@ -782,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     """Command line: see ``python -m data.prepare --help``."""
     parser = argparse.ArgumentParser(
         prog="python -m data.prepare",
-        description="Tokenize a corpus into token shards (see docs/data.md).",
+        description="Tokenize a corpus into token files, one unit of work per input file (see docs/data.md).",
     )
     parser.add_argument("inputs", nargs="*", help=".txt/.jsonl/.parquet files or directories")
     parser.add_argument("--config", help="a configs/data/*.yaml file; prepares it into its cache")
