@@ -1,4 +1,5 @@
-"""Tests of the data pipeline (data/): tokenizer, prepare, loader, configs. Run in a few seconds."""
+"""Tests of the data pipeline (data/): tokenizer, prepare (units, parts, kills, format 1), loader,
+configs."""
 
 from __future__ import annotations
 
