@@ -609,8 +609,7 @@ class _Job:
                 "validation. Add documents or lower val_fraction."
             )
         fingerprint = hashlib.sha256(self.tokenizer.sha256.encode())
-        for split, info in splits.items():
-            digest = units.stream_sha256(self.out, info["extents"], self.dtype)
+        for split, digest in units.stream_hashes(self.out, self.sources, records, splits, self.dtype).items():
             fingerprint.update(f" {split}:{digest}".encode())
         manifest = {
             "format_version": FORMAT_VERSION,

@@ -169,11 +169,11 @@ def _file_sha256(path: Path) -> str:
 
 
 def unit_problem(out_dir: Path, record: dict[str, Any], itemsize: int) -> str | None:
-    """What is wrong with a finished unit's files (missing, wrong size, other bytes than its
-    record says), or None when both match the record."""
+    """What is wrong with a finished unit's files (missing, of another size than its record says;
+    the length file also of other bytes), or None. `stream_hashes` checks the token file's bytes."""
     tokens, lengths = unit_files(out_dir, record["unit"])
     checks = (
-        (tokens, record["tokens"] * itemsize, record["sha256"]),
+        (tokens, record["tokens"] * itemsize, None),
         (lengths, record["documents"] * LENGTH_DTYPE.itemsize, record["lengths_sha256"]),
     )
     for path, size, sha256 in checks:
@@ -181,9 +181,13 @@ def unit_problem(out_dir: Path, record: dict[str, Any], itemsize: int) -> str | 
             return f"{path} is missing"
         if path.stat().st_size != size:
             return f"{path} is {path.stat().st_size} bytes, its ledger record says {size}"
-        if _file_sha256(path) != sha256:
-            return f"{path} does not hold the bytes of its ledger record (SHA-256 differs)"
+        if sha256 is not None and _file_sha256(path) != sha256:
+            return _other_bytes(path)
     return None
+
+
+def _other_bytes(path: Path) -> str:
+    return f"{path} does not hold the bytes of its ledger record (SHA-256 differs)"
 
 
 def _describe(sources: Sequence[Any], units: Sequence[int]) -> str:
@@ -215,13 +219,19 @@ def checked_records(
     for record in checked:
         problem = unit_problem(out_dir, record, itemsize)
         if problem:
-            record_path(out_dir, record["unit"]).unlink(missing_ok=True)
-            raise UnitError(
-                f"unit {record['unit']} ({_source_name(sources[record['unit']])}) is damaged: "
-                f"{problem}. Its ledger record was removed. Fix: run the same preparation again "
-                "(it tokenizes that unit again), then the final step."
-            )
+            raise damaged(out_dir, sources, record, problem)
     return checked
+
+
+def damaged(out_dir: Path, sources: Sequence[Any], record: dict[str, Any], problem: str) -> UnitError:
+    """Remove the ledger record of a damaged unit (so that it is tokenized again); the error that
+    names it, its source and ``problem``."""
+    record_path(out_dir, record["unit"]).unlink(missing_ok=True)
+    return UnitError(
+        f"unit {record['unit']} ({_source_name(sources[record['unit']])}) is damaged: "
+        f"{problem}. Its ledger record was removed. Fix: run the same preparation again "
+        "(it tokenizes that unit again), then the final step."
+    )
 
 
 def split_extents(
@@ -271,15 +281,35 @@ def split_extents(
     return splits
 
 
-def stream_sha256(out_dir: Path, extents: Sequence[Sequence[int]], dtype: np.dtype) -> str:
-    """SHA-256 of a split's token stream: the bytes of its extents, in order."""
-    digest = hashlib.sha256()
-    maps: dict[int, np.memmap] = {}
-    for unit, offset, tokens in extents:
-        if unit not in maps:
-            maps = {unit: np.memmap(unit_files(out_dir, unit)[0], dtype=dtype, mode="r")}
-        digest.update(maps[unit][offset : offset + tokens])  # a contiguous view: no copy
-    return digest.hexdigest()
+def stream_hashes(
+    out_dir: Path,
+    sources: Sequence[Any],
+    records: Sequence[dict[str, Any]],
+    splits: dict[str, dict[str, Any]],
+    dtype: np.dtype,
+) -> dict[str, str]:
+    """Each split's SHA-256 (of its extents' tokens, in order), reading every unit once; each unit
+    file's SHA-256 is checked against its record on the way. UnitError as `checked_records` for a
+    unit whose token file holds other bytes."""
+    digests = {split: hashlib.sha256() for split in splits}
+    runs: dict[int, list[tuple[int, int, str]]] = {}
+    for split, info in splits.items():
+        for unit, offset, tokens in info["extents"]:
+            runs.setdefault(unit, []).append((offset, tokens, split))
+    for record in records:
+        path = unit_files(out_dir, record["unit"])[0]
+        tokens = np.memmap(path, dtype=dtype, mode="r") if record["tokens"] else np.zeros(0, dtype)
+        whole = hashlib.sha256()
+        done = 0
+        for offset, count, split in sorted(runs.get(record["unit"], [])):
+            whole.update(tokens[done:offset])
+            whole.update(tokens[offset : offset + count])  # contiguous views: no copies
+            digests[split].update(tokens[offset : offset + count])
+            done = offset + count
+        whole.update(tokens[done:])
+        if whole.hexdigest() != record["sha256"]:
+            raise damaged(out_dir, sources, record, _other_bytes(path))
+    return {split: digest.hexdigest() for split, digest in digests.items()}
 
 
 def prune(out_dir: Path, keep: int) -> None:
