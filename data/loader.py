@@ -1,10 +1,11 @@
-"""Memory-mapped loading of prepared token shards, with a checkpointable, rank-independent state.
+"""Memory-mapped loading of prepared datasets, with a checkpointable, rank-independent state.
 
-A split's shards form one token stream of ``T`` tokens. Sample ``i`` is the window of
+A split is one token stream of ``T`` tokens: format 2's extents of the unit files, or format 1's
+shards, in the manifest's order. Sample ``i`` is the window of
 ``seq_len + 1`` tokens starting at ``i * seq_len``, for ``i`` in ``[0, (T - 1) // seq_len)``;
 consecutive windows overlap by one token, so every token after the first is a target exactly once
 per epoch. Epoch ``e`` visits the samples in the order of a permutation drawn from
-``numpy.random.default_rng((seed, e))``.
+``numpy.random.default_rng((seed, e))`` (`sample_order`).
 
 The state is global: (epoch, position in that epoch's order, seed, dataset fingerprint). Each
 `TokenLoader.next_batch` takes the next ``global_batch_size`` samples of the order (continuing into
@@ -26,10 +27,44 @@ import torch
 from data.prepare import load_manifest
 
 
-class _TokenStream:
-    """The shards of one split, memory-mapped, read as one continuous array of tokens."""
+def _pieces(manifest: dict[str, Any], split: str) -> tuple[list[tuple[str, int]], np.ndarray]:
+    """(the token files of ``split`` with their token counts; its pieces as rows ``[file index,
+    offset, tokens]``, in stream order): format 1's shards are whole files, format 2's extents
+    are runs inside the unit files."""
+    if manifest.get("format_version", 1) == 1:
+        shards = manifest["splits"][split]["shards"]
+        files = [(s["file"], s["tokens"]) for s in shards]
+        rows = [[i, 0, s["tokens"]] for i, s in enumerate(shards)]
+    else:
+        files = [(u["file"], u["tokens"]) for u in manifest["units"]]
+        rows = manifest["splits"][split]["extents"]
+    return files, np.array(rows, dtype=np.int64).reshape(-1, 3)
 
-    def __init__(self, dataset_dir: str | os.PathLike, split: str, seq_len: int) -> None:
+
+def _open_token_file(path: Path, tokens: int, dtype: np.dtype) -> np.ndarray:
+    """``path`` memory-mapped; FileNotFoundError or ValueError, naming the fix, when it is missing
+    or not of the manifest's size."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"token file {path} of the manifest is missing. The dataset was changed after "
+            "preparation: prepare it again (the same call repairs it)."
+        )
+    expected = tokens * dtype.itemsize
+    if path.stat().st_size != expected:
+        raise ValueError(
+            f"token file {path} is {path.stat().st_size} bytes; the manifest expects "
+            f"{expected}. The dataset was changed after preparation: prepare it again "
+            "(the same call repairs it)."
+        )
+    return np.memmap(path, dtype=dtype, mode="r") if tokens else np.zeros(0, dtype=dtype)
+
+
+class _TokenStream:
+    """The token files of one split, memory-mapped, read as one continuous array of tokens."""
+
+    def __init__(
+        self, dataset_dir: str | os.PathLike, split: str, seq_len: int, need_sample: bool = True
+    ) -> None:
         self.dir = Path(dataset_dir).expanduser().resolve()
         self.manifest = load_manifest(self.dir)
         if split not in self.manifest["splits"]:
@@ -39,31 +74,31 @@ class _TokenStream:
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}.")
         dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
-        self.shards: list[np.memmap] = []
-        for shard in self.manifest["splits"][split]["shards"]:
-            path = self.dir / shard["file"]
-            expected = shard["tokens"] * dtype.itemsize
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"shard {path} of the manifest is missing. The dataset was changed after "
-                    "preparation: prepare it again (the same call repairs it)."
-                )
-            if path.stat().st_size != expected:
-                raise ValueError(
-                    f"shard {path} is {path.stat().st_size} bytes; the manifest expects "
-                    f"{expected}. The dataset was changed after preparation: prepare it again "
-                    "(the same call repairs it)."
-                )
-            self.shards.append(np.memmap(path, dtype=dtype, mode="r"))
-        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
+        files, self.pieces = _pieces(self.manifest, split)
+        self.files = [_open_token_file(self.dir / name, tokens, dtype) for name, tokens in files]
+        self.starts = np.concatenate([[0], np.cumsum(self.pieces[:, 2])]).astype(np.int64)
         self.seq_len = seq_len
         self.num_samples = max(0, (int(self.starts[-1]) - 1) // seq_len)
-        if self.num_samples == 0:
+        if self.num_samples == 0 and need_sample:
             raise ValueError(
                 f"the {split!r} split of {self.dir} has {int(self.starts[-1])} tokens, fewer than "
                 f"one sample of seq_len + 1 = {seq_len + 1}. Use a shorter seq_len, or prepare "
                 f"more data{' or a larger val_fraction' if split == 'val' else ''}."
             )
+
+    def tokens(self, begin: int, end: int) -> np.ndarray:
+        """Tokens ``[begin, end)`` of the stream as int64."""
+        out = np.empty(end - begin, dtype=np.int64)
+        piece = int(np.searchsorted(self.starts, begin, side="right")) - 1
+        filled = 0
+        while filled < len(out):
+            file, offset, count = (int(x) for x in self.pieces[piece])
+            skip = begin + filled - int(self.starts[piece])
+            take = min(count - skip, len(out) - filled)
+            out[filled : filled + take] = self.files[file][offset + skip : offset + skip + take]
+            filled += take
+            piece += 1
+        return out
 
     @property
     def fingerprint(self) -> str:
@@ -72,22 +107,32 @@ class _TokenStream:
     def window(self, sample: int) -> np.ndarray:
         """Tokens ``[sample * seq_len, sample * seq_len + seq_len + 1)`` as int64."""
         begin = sample * self.seq_len
-        end = begin + self.seq_len + 1
-        out = np.empty(self.seq_len + 1, dtype=np.int64)
-        shard = int(np.searchsorted(self.starts, begin, side="right")) - 1
-        filled = 0
-        while filled < len(out):
-            offset = begin + filled - int(self.starts[shard])
-            piece = self.shards[shard][offset : offset + end - begin - filled]
-            out[filled : filled + len(piece)] = piece
-            filled += len(piece)
-            shard += 1
-        return out
+        return self.tokens(begin, begin + self.seq_len + 1)
 
     def batch(self, samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) LongTensors of shape (len(samples), seq_len)."""
         tokens = torch.from_numpy(np.stack([self.window(int(i)) for i in samples]))
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def sample_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    """Epoch ``epoch``'s order of the samples: ``numpy.random.default_rng((seed, epoch))
+    .permutation(num_samples)``, held as uint32 (4 bytes a sample) when the indices fit.
+
+    Shuffling ``arange`` in place is what ``permutation`` does, and the shuffle's random draws do
+    not depend on the dtype, so both give the same order.
+    """
+    dtype = np.uint32 if num_samples <= 1 << 32 else np.int64
+    order = np.arange(num_samples, dtype=dtype)
+    np.random.default_rng((seed, epoch)).shuffle(order)
+    return order
+
+
+def read_split(dataset_dir: str | os.PathLike, split: str) -> np.ndarray:
+    """The whole token stream of ``split`` as one array of the dataset's dtype (it reads every
+    token: for inspection and tests, not for training)."""
+    stream = _TokenStream(dataset_dir, split, 1, need_sample=False)
+    return stream.tokens(0, int(stream.starts[-1])).astype(stream.manifest["dtype"])
 
 
 def _local_rows(global_batch_size: int, rank: int, world_size: int) -> slice:
@@ -154,8 +199,7 @@ class TokenLoader:
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._order_cache is None or self._order_cache[0] != (self.seed, epoch):
-            permutation = np.random.default_rng((self.seed, epoch)).permutation(self.num_samples)
-            self._order_cache = ((self.seed, epoch), permutation)
+            self._order_cache = ((self.seed, epoch), sample_order(self.seed, epoch, self.num_samples))
         return self._order_cache[1]
 
     def _next_samples(self) -> np.ndarray:

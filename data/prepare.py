@@ -1,4 +1,4 @@
-"""Tokenize a corpus into token shards with a train/validation split.
+"""Tokenize a corpus into token files with a train/validation split, one unit of work per file.
 
 Inputs are files, directories of files, or a streamed Hugging Face dataset:
 
@@ -8,14 +8,16 @@ Inputs are files, directories of files, or a streamed Hugging Face dataset:
 - ``.txt`` and ``.jsonl`` may be compressed: ``.gz``, ``.xz`` or ``.zst``;
 - a directory stands for every such file below it, in sorted path order.
 
-Documents made only of whitespace are skipped. Document ``i`` (counting from 0 over all inputs)
-goes to the validation split when `val_mask` says so: an evenly spread ``val_fraction`` of them.
+Documents made only of whitespace are skipped. The documents of the training set are those of the
+inputs in input order (files in the order given, a directory's files in sorted path order, each
+file's documents in file order); document ``i`` (counting from 0 over all inputs) goes to the
+validation split when `val_mask` says so: an evenly spread ``val_fraction`` of them.
 
-The output directory holds ``train_000000.bin``, ``train_000001.bin``, ... and ``val_000000.bin``,
-...: raw little-endian token ids (``uint16`` when the vocabulary has at most 65,536 pieces, else
-``uint32``), every document followed by EOS, the shards of a split forming one continuous stream.
-``manifest.json`` is written last, by an atomic rename, so its presence marks a complete dataset.
-See docs/data.md for the manifest's fields.
+Each input file is a unit, tokenized on its own into ``units/`` and recorded in ``ledger/``
+(data/units.py); the final step checks the units and writes ``manifest.json``, by an atomic
+rename, so its presence marks a complete dataset. Token ids are raw little-endian (``uint16``
+when the vocabulary has at most 65,536 pieces, else ``uint32``), every document followed by EOS.
+See docs/data.md for the layout and the manifest's fields.
 """
 
 from __future__ import annotations
@@ -39,12 +41,18 @@ from typing import IO, Any
 import numpy as np
 from tqdm import tqdm
 
+from data import units
 from data.tokenizer import Tokenizer, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
-DEFAULT_SHARD_TOKENS = 100_000_000
+RECIPE = "recipe.json"
+# Format 2: one token file per input file (data/units.py), splits as extents. Format 1: each
+# split's stream cut into shards; read by data/loader.py, and kept by prepare() as it is.
+FORMAT_VERSION = 2
+# The definition of the token streams (document order, split rule, EOS): part of the cache key.
+# Formats 1 and 2 of the same inputs hold the same streams, so they share a cache directory.
+_STREAM_VERSION = 1
 # Names prepare() may find in an output directory that holds no dataset yet: its lock file, its
 # marker of an unfinished run, and a tokenizer trained into the directory (never written here).
 _OWN_NAMES = {".lock", ".incomplete", "tokenizer.model"}
@@ -241,7 +249,7 @@ def _train_documents(
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The shard dtype: little-endian uint16 when every id fits in 16 bits, else uint32."""
+    """The token dtype: little-endian uint16 when every id fits in 16 bits, else uint32."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
@@ -283,68 +291,38 @@ def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def _encoded(
-    docs: Iterable[str], tokenizer: Tokenizer, num_workers: int
-) -> Generator[tuple[np.ndarray, np.ndarray], None, None]:
-    """`_encode_docs` over chunks of ``docs``, in order, on ``num_workers`` processes.
-
-    At most two chunks per worker are in flight, so a stream is never read ahead into memory.
-    Workers are spawned (not forked), which is safe in a process that already uses CUDA.
-    """
+@contextlib.contextmanager
+def _pool(tokenizer: Tokenizer, num_workers: int) -> Iterator[Any]:
+    """A pool of ``num_workers`` spawned tokenizing processes, or None for one worker (this
+    process). Spawned, not forked, which is safe in a process that already uses CUDA."""
     if num_workers <= 1:
-        yield from map(partial(_encode_docs, tokenizer), _chunks(docs))
+        yield None
         return
     context = multiprocessing.get_context("spawn")
     with context.Pool(num_workers, _init_worker, (str(tokenizer.path),)) as pool:
-        pending: deque = deque()
-        for chunk in _chunks(docs):
-            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
-            if len(pending) >= 2 * num_workers:
-                yield pending.popleft().get()
-        while pending:
+        yield pool
+
+
+def _encoded(
+    docs: Iterable[str], tokenizer: Tokenizer, pool: Any, num_workers: int
+) -> Generator[tuple[np.ndarray, np.ndarray], None, None]:
+    """`_encode_docs` over chunks of ``docs``, in order, on ``pool`` (this process when None).
+
+    At most two chunks per worker are in flight, so a stream is never read ahead into memory.
+    """
+    if pool is None:
+        yield from map(partial(_encode_docs, tokenizer), _chunks(docs))
+        return
+    pending: deque = deque()
+    for chunk in _chunks(docs):
+        pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+        if len(pending) >= 2 * num_workers:
             yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
-# ----------------------------------------------------------------------------- writing
-
-
-class _ShardWriter:
-    """Appends tokens to ``{split}_{index:06d}.bin`` files of at most ``shard_tokens`` tokens."""
-
-    def __init__(self, out_dir: Path, split: str, shard_tokens: int) -> None:
-        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
-        self.shards: list[dict[str, Any]] = []
-        self.stream_hash = hashlib.sha256()  # over all the split's bytes, whatever the sharding
-        self._file: IO[bytes] | None = None
-        self._hash = hashlib.sha256()
-        self._count = 0
-
-    def write(self, tokens: np.ndarray) -> None:
-        while len(tokens):
-            if self._file is None:
-                name = f"{self.split}_{len(self.shards):06d}.bin"
-                self._file = open(self.out_dir / name, "wb")
-                self._hash, self._count = hashlib.sha256(), 0
-            take = min(len(tokens), self.shard_tokens - self._count)
-            blob = tokens[:take].tobytes()
-            self._file.write(blob)
-            self._hash.update(blob)
-            self.stream_hash.update(blob)
-            self._count += take
-            tokens = tokens[take:]
-            if self._count == self.shard_tokens:
-                self.close()
-
-    def close(self) -> None:
-        """Close the open shard (flushed to disk) and record it in `shards`."""
-        if self._file is None:
-            return
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        name = Path(self._file.name).name
-        self.shards.append({"file": name, "tokens": self._count, "sha256": self._hash.hexdigest()})
-        self._file = None
+# ----------------------------------------------------------------------------- the dataset directory
 
 
 @contextlib.contextmanager
@@ -380,23 +358,70 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _shards_intact(out_dir: Path, manifest: Mapping[str, Any]) -> bool:
+def manifest_files(manifest: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """(file, tokens) of every token file a manifest refers to: format 1's shards, format 2's
+    units."""
+    if manifest.get("format_version", 1) == 1:
+        return [(s["file"], s["tokens"]) for split in manifest["splits"].values() for s in split["shards"]]
+    return [(u["file"], u["tokens"]) for u in manifest["units"]]
+
+
+def _files_intact(out_dir: Path, manifest: Mapping[str, Any]) -> bool:
+    """Whether every token file of the manifest is there with its expected size."""
     itemsize = np.dtype(manifest["dtype"]).itemsize
     return all(
-        (out_dir / s["file"]).is_file()
-        and (out_dir / s["file"]).stat().st_size == s["tokens"] * itemsize
-        for split in manifest["splits"].values()
-        for s in split["shards"]
+        (out_dir / name).is_file() and (out_dir / name).stat().st_size == tokens * itemsize
+        for name, tokens in manifest_files(manifest)
     )
 
 
-def _write_manifest(out_dir: Path, manifest: Mapping[str, Any]) -> None:
-    tmp = out_dir / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(manifest, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out_dir / MANIFEST)
+def _same_streams(old: Mapping[str, Any], recipe: Mapping[str, Any]) -> bool:
+    """Whether a manifest's recipe makes the token streams of ``recipe``: the same recipe, or the
+    format-1 recipe of the same inputs and settings (any shard size)."""
+    if old.get("recipe_id") == _digest(recipe):
+        return True
+    if old.get("format_version", 1) != 1 or "recipe" not in old:
+        return False
+    ignored = ("format_version", "shard_tokens")
+    strip = lambda r: {k: v for k, v in r.items() if k not in ignored}  # noqa: E731
+    return strip(old["recipe"]) == strip(recipe)
+
+
+def _remove_format1_files(out_dir: Path) -> None:
+    """Remove format-1 shards (``train_*.bin``, ``val_*.bin``): the leftovers of an unfinished
+    or damaged format-1 preparation of this directory."""
+    for path in out_dir.glob("*_[0-9][0-9][0-9][0-9][0-9][0-9].bin"):
+        if path.name.startswith(("train_", "val_")):
+            path.unlink()
+
+
+def _claim(out: Path, recipe: Mapping[str, Any]) -> None:
+    """Mark ``out`` as a dataset in preparation with ``recipe`` (``recipe.json``), or check that
+    it already is one of that recipe; ValueError naming both recipes when not."""
+    path = out / RECIPE
+    if path.is_file():
+        existing = json.loads(path.read_text())
+        if existing != recipe:
+            raise ValueError(
+                f"{out} is being prepared from other inputs, tokenizer or settings (recipe "
+                f"{_digest(existing)[:12]}, this one {_digest(recipe)[:12]}). Give every part the "
+                "same inputs and settings, or choose another output directory."
+            )
+        return
+    (out / ".incomplete").touch()
+    (out / MANIFEST).unlink(missing_ok=True)  # a damaged dataset of the same streams
+    _remove_format1_files(out)
+    units.write_json(path, recipe)
+
+
+def _part_units(count: int, part: tuple[int, int] | None) -> range:
+    """The units of ``part`` = (k, n): slice k of n equal contiguous slices of ``count`` units."""
+    if part is None:
+        return range(count)
+    k, n = part
+    if n < 1 or not 0 <= k < n:
+        raise ValueError(f"part must be K/N with 0 <= K < N, got {k}/{n}.")
+    return range(k * count // n, (k + 1) * count // n)
 
 
 def prepare(
@@ -408,39 +433,46 @@ def prepare(
     text_field: str = "text",
     val_fraction: float = 0.01,
     max_tokens: int | None = None,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
     num_workers: int | None = None,
     progress: bool = True,
+    part: tuple[int, int] | None = None,
+    tokenize: bool = True,
 ) -> Path:
-    """Tokenize ``inputs`` (or ``hf_dataset``) into shards under ``out_dir``; return ``out_dir``.
+    """Tokenize ``inputs`` (or ``hf_dataset``) into units under ``out_dir``, then run the final
+    step when every unit is finished; return ``out_dir``.
 
     Args:
         out_dir: the dataset directory; created if needed. It must be empty, or hold a dataset (or
             an unfinished one) written by this function.
         tokenizer_path: a SentencePiece model file.
-        inputs: files or directories (see the module docstring).
+        inputs: files or directories (see the module docstring); one unit per file.
         hf_dataset: instead of inputs, keyword arguments of `iter_hf_documents` without
-            ``text_field``: ``{"path": "allenai/c4", "name": "en", "split": "train"}``.
+            ``text_field``: ``{"path": "allenai/c4", "name": "en", "split": "train"}``; one unit.
         text_field: the jsonl field / parquet column / HF column holding the text.
         val_fraction: fraction of documents put in the validation split, in [0, 1).
         max_tokens: stop after the document that brings the total (both splits) to this many.
-        shard_tokens: tokens per shard file.
         num_workers: tokenizing processes; default ``min(4, cpu_count)``. The output does not
             depend on it.
         progress: show a progress bar.
+        part: ``(k, n)``: tokenize only the k-th of n contiguous slices of the units (0-based);
+            processes given disjoint parts may run at once, on any hosts sharing ``out_dir``.
+            None: every unit, one process at a time (others wait on a file lock).
+        tokenize: False runs only the final step (UnitError when a unit is unfinished).
 
-    When ``out_dir`` already holds a complete dataset of the same inputs (same files by path,
-    size and modification time), tokenizer and settings, it is reused as is. One of different
-    inputs or settings is never overwritten: that raises ValueError.
+    Finished units (per the ledger) are skipped, so a killed preparation, run again, redoes only
+    the unfinished ones. The final step (`data.units`) checks every unit against its ledger
+    record, derives the splits and writes ``manifest.json``; it runs when this call leaves every
+    needed unit finished. A directory holding a complete dataset of the same token streams
+    (format 2 of the same recipe, or format 1 of the same inputs and settings) is returned as it
+    is. One of other inputs or settings is never overwritten: that raises ValueError.
     """
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive or None, got {max_tokens}.")
-    if shard_tokens <= 0:
-        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}.")
     if bool(inputs) == bool(hf_dataset):
         raise ValueError("give exactly one source: input files/directories, or an HF dataset.")
+    _part_units(1, part)  # a bad part is refused before anything is read
     files = expand_inputs(inputs)
     tokenizer = Tokenizer(tokenizer_path)
     workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
@@ -450,121 +482,169 @@ def prepare(
         "tokenizer_sha256": tokenizer.sha256,
         "val_fraction": val_fraction,
         "max_tokens": max_tokens,
-        "shard_tokens": shard_tokens,
         "format_version": FORMAT_VERSION,
     }
-    recipe_id = _digest(recipe)
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ours = (out / MANIFEST).exists() or (out / ".incomplete").exists()
+    ours = any((out / name).exists() for name in (MANIFEST, ".incomplete", RECIPE))
     if not ours and set(os.listdir(out)) - _OWN_NAMES:
         raise ValueError(
             f"{out} is not empty and holds no dataset prepared here. Choose an empty or new "
             "output directory; nothing in it was changed."
         )
+    job = _Job(out, tokenizer, files, hf_dataset, text_field, val_fraction, max_tokens, recipe)
+    every_unit = range(len(recipe["sources"]))
+    if part is None:
+        with _locked(out):
+            if not job.complete():
+                _claim(out, recipe)
+                if tokenize:
+                    job.tokenize(every_unit, workers, progress)
+                job.finalize()
+        return out
     with _locked(out):
-        if (out / MANIFEST).is_file():
-            old = load_manifest(out)
-            if old.get("recipe_id") != recipe_id:
-                raise ValueError(
-                    f"{out} already holds a dataset prepared from other inputs, tokenizer or "
-                    f"settings (recipe {old.get('recipe_id', '?')[:12]}, now {recipe_id[:12]}). "
-                    "Choose another output directory, or delete that one yourself."
-                )
-            if _shards_intact(out, old):
-                return out
-        (out / ".incomplete").touch()
-        (out / MANIFEST).unlink(missing_ok=True)  # a damaged dataset of the same recipe
-        manifest = _tokenize(
-            out,
-            tokenizer,
-            files,
-            hf_dataset,
-            text_field,
-            val_fraction,
-            max_tokens,
-            shard_tokens,
-            workers,
-            progress,
-        )
-        manifest.update(recipe_id=recipe_id, recipe=recipe)
-        _write_manifest(out, manifest)
-        (out / ".incomplete").unlink()
+        if job.complete():
+            job.tidy()
+            return out
+        _claim(out, recipe)
+    if tokenize:
+        job.tokenize(_part_units(len(every_unit), part), workers, progress)
+        if units.needed_records(out, recipe["sources"], max_tokens)[1]:
+            return out  # other parts are unfinished: the last part to finish runs the final step
+    with _locked(out):
+        if job.complete():
+            job.tidy()
+        else:
+            job.finalize()
     return out
 
 
-def _tokenize(
-    out: Path,
-    tokenizer: Tokenizer,
-    files: Sequence[Path],
-    hf_dataset: Mapping[str, Any] | None,
-    text_field: str,
-    val_fraction: float,
-    max_tokens: int | None,
-    shard_tokens: int,
-    num_workers: int,
-    progress: bool,
-) -> dict[str, Any]:
-    """Write the shards; return the manifest without its recipe."""
-    writers = {split: _ShardWriter(out, split, shard_tokens) for split in ("train", "val")}
-    documents = {"train": 0, "val": 0}
-    total = 0
-    docs = _documents(files, hf_dataset, text_field)
-    bar = tqdm(
-        total=max_tokens, unit="tok", unit_scale=True, desc="tokenizing", disable=not progress
-    )
-    try:
-        with bar, contextlib.closing(_encoded(docs, tokenizer, num_workers)) as stream:
-            for flat, lengths in stream:
-                ends = total + np.cumsum(lengths)
-                if max_tokens is not None and ends[-1] >= max_tokens:
-                    keep = int(np.searchsorted(ends, max_tokens)) + 1
-                    lengths, flat = lengths[:keep], flat[: int(lengths[:keep].sum())]
-                first = documents["train"] + documents["val"]
-                is_val = val_mask(np.arange(first, first + len(lengths)), val_fraction)
-                token_is_val = np.repeat(is_val, lengths)
-                writers["val"].write(flat[token_is_val])
-                writers["train"].write(flat[~token_is_val])
-                documents["val"] += int(is_val.sum())
-                documents["train"] += int((~is_val).sum())
-                total += len(flat)
-                bar.update(len(flat))
-                if max_tokens is not None and total >= max_tokens:
+class _Job:
+    """One preparation of a dataset directory: its recipe, and the steps that make it."""
+
+    def __init__(
+        self,
+        out: Path,
+        tokenizer: Tokenizer,
+        files: Sequence[Path],
+        hf_dataset: Mapping[str, Any] | None,
+        text_field: str,
+        val_fraction: float,
+        max_tokens: int | None,
+        recipe: dict[str, Any],
+    ) -> None:
+        self.out, self.tokenizer, self.files, self.hf_dataset = out, tokenizer, files, hf_dataset
+        self.text_field, self.val_fraction, self.max_tokens = text_field, val_fraction, max_tokens
+        self.recipe, self.sources = recipe, recipe["sources"]
+        self.dtype = token_dtype(tokenizer.vocab_size)
+
+    def complete(self) -> bool:
+        """Whether ``out`` holds a complete dataset of these token streams (then it is kept);
+        ValueError when it holds one of another recipe."""
+        if not (self.out / MANIFEST).is_file():
+            return False
+        old = load_manifest(self.out)
+        if not _same_streams(old, self.recipe):
+            raise ValueError(
+                f"{self.out} already holds a dataset prepared from other inputs, tokenizer or "
+                f"settings (recipe {old.get('recipe_id', '?')[:12]}, now "
+                f"{_digest(self.recipe)[:12]}). Choose another output directory, or delete that "
+                "one yourself."
+            )
+        return _files_intact(self.out, old)
+
+    def _unit_documents(self, unit: int) -> Iterator[str]:
+        files = [] if self.hf_dataset else [self.files[unit]]
+        return _documents(files, self.hf_dataset, self.text_field)
+
+    def tokenize(self, unit_range: range, num_workers: int, progress: bool) -> None:
+        """Tokenize the unfinished units of ``unit_range`` that the dataset needs, in order."""
+        todo = [u for u in unit_range if not units.finished(self.out, u, self.sources[u], self.dtype.itemsize)]
+        bar = tqdm(total=len(todo), unit="file", desc="tokenizing", disable=not progress or not todo)
+        with bar, _pool(self.tokenizer, num_workers) as pool:
+            for unit in todo:
+                if self._beyond_max_tokens(unit):
                     break
-    finally:
-        for writer in writers.values():
-            writer.close()
-    if total == 0:
-        raise ValueError(
-            "the corpus is empty: the inputs hold no non-blank documents, so there are 0 tokens. "
-            "Check the input files (and, for jsonl/parquet/HF, the text field)."
+                stream = _encoded(self._unit_documents(unit), self.tokenizer, pool, num_workers)
+                try:
+                    with contextlib.closing(stream):
+                        units.write_unit(self.out, unit, self.sources[unit], stream)
+                except FileNotFoundError:
+                    if (self.out / MANIFEST).is_file():
+                        break  # the final step ran meanwhile and removed this unneeded unit's files
+                    raise
+                bar.update(1)
+
+    def tidy(self) -> None:
+        """Remove what parts still running wrote after the final step: units past the
+        manifest's, and temporary files."""
+        manifest = load_manifest(self.out)
+        if manifest.get("format_version", 1) >= 2:
+            units.prune(self.out, len(manifest["units"]))
+
+    def _beyond_max_tokens(self, unit: int) -> bool:
+        """Whether the finished units before ``unit`` already hold ``max_tokens`` tokens."""
+        if self.max_tokens is None:
+            return False
+        records, missing = units.needed_records(self.out, self.sources[:unit], self.max_tokens)
+        return not missing and sum(r["tokens"] for r in records if r) >= self.max_tokens
+
+    def finalize(self) -> None:
+        """The final step: check every needed unit, derive the splits, write the manifest."""
+        records = units.checked_records(self.out, self.sources, self.dtype.itemsize, self.max_tokens)
+        lengths = (
+            np.fromfile(units.unit_files(self.out, r["unit"])[1], dtype=units.LENGTH_DTYPE) for r in records
         )
-    if not writers["train"].shards:
-        raise ValueError(
-            f"the train split is empty: all {documents['val']} document(s) went to validation. "
-            "Add documents or lower val_fraction."
+        splits = units.split_extents(
+            lengths, lambda i: val_mask(i, self.val_fraction), self.max_tokens
         )
-    splits = {
-        split: {
-            "documents": documents[split],
-            "tokens": sum(s["tokens"] for s in writer.shards),
-            "shards": writer.shards,
+        if splits["train"]["tokens"] + splits["val"]["tokens"] == 0:
+            raise ValueError(
+                "the corpus is empty: the inputs hold no non-blank documents, so there are 0 tokens. "
+                "Check the input files (and, for jsonl/parquet/HF, the text field)."
+            )
+        if not splits["train"]["extents"]:
+            raise ValueError(
+                f"the train split is empty: all {splits['val']['documents']} document(s) went to "
+                "validation. Add documents or lower val_fraction."
+            )
+        fingerprint = hashlib.sha256(self.tokenizer.sha256.encode())
+        for split, digest in units.stream_hashes(self.out, self.sources, records, splits, self.dtype).items():
+            fingerprint.update(f" {split}:{digest}".encode())
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "dtype": self.dtype.name,
+            "vocab_size": self.tokenizer.vocab_size,
+            "bos_id": self.tokenizer.bos_id,
+            "eos_id": self.tokenizer.eos_id,
+            "tokenizer": {"path": str(self.tokenizer.path), "sha256": self.tokenizer.sha256},
+            "units": [
+                {"file": f"{units.UNITS}/{r['unit']:06d}.bin", "tokens": r["tokens"], "sha256": r["sha256"]}
+                for r in records
+            ],
+            "splits": splits,
+            "fingerprint": fingerprint.hexdigest(),
+            "recipe_id": _digest(self.recipe),
+            "recipe": self.recipe,
         }
-        for split, writer in writers.items()
+        units.prune(self.out, len(records))
+        units.write_json(self.out / MANIFEST, manifest, _manifest_text(manifest))
+        (self.out / ".incomplete").unlink(missing_ok=True)
+
+
+def _manifest_text(manifest: Mapping[str, Any]) -> str:
+    """The manifest as indented JSON, each split's extents as one line."""
+    placeholders = {split: f"@extents:{split}@" for split in manifest["splits"]}
+    shown = {
+        **manifest,
+        "splits": {
+            split: {**info, "extents": placeholders[split]} for split, info in manifest["splits"].items()
+        },
     }
-    fingerprint = hashlib.sha256(tokenizer.sha256.encode())
-    for split, writer in writers.items():
-        fingerprint.update(f" {split}:{writer.stream_hash.hexdigest()}".encode())
-    return {
-        "format_version": FORMAT_VERSION,
-        "dtype": token_dtype(tokenizer.vocab_size).name,
-        "vocab_size": tokenizer.vocab_size,
-        "bos_id": tokenizer.bos_id,
-        "eos_id": tokenizer.eos_id,
-        "tokenizer": {"path": str(tokenizer.path), "sha256": tokenizer.sha256},
-        "splits": splits,
-        "fingerprint": fingerprint.hexdigest(),
-    }
+    text = json.dumps(shown, indent=2)
+    for split, info in manifest["splits"].items():
+        text = text.replace(json.dumps(placeholders[split]), json.dumps(info["extents"]))
+    return text + "\n"
 
 
 # ----------------------------------------------------------------------------- config entry point
@@ -634,22 +714,25 @@ def _dataset_dir(cfg: Mapping[str, Any], files: Sequence[Path], hf_dataset: Mapp
             "text_field": cfg.get("text_field") or "text",
             "val_fraction": float(cfg["val_fraction"]),
             "max_tokens": cfg.get("max_tokens"),
-            "format_version": FORMAT_VERSION,
+            "format_version": _STREAM_VERSION,
         }
     )
     return _repo_path(cfg["cache_dir"]) / f"{cfg['name']}-{key[:12]}"
 
 
-def prepare_from_config(cfg: Mapping[str, Any]) -> Path:
+def prepare_from_config(
+    cfg: Mapping[str, Any], part: tuple[int, int] | None = None, tokenize: bool = True
+) -> Path:
     """Prepare the dataset described by the ``data`` config group; return its directory.
 
     The dataset lives in ``{cache_dir}/{name}-{key}``, ``key`` a hash of the inputs (files by
     path, size and modification time), the tokenizer, ``vocab_size``, ``text_field``,
     ``val_fraction`` and ``max_tokens``; relative paths are taken from the repository root. When
     ``tokenizer_path`` is null, a BPE tokenizer of ``vocab_size`` pieces is trained on the train
-    split into ``tokenizer.model`` in that directory. Existing tokenizer and shards are reused, so
-    calling this again is cheap. Concurrent callers (e.g. every rank) are serialised by a file
-    lock, but the usual pattern is: rank 0 calls it, barrier, the other ranks call it.
+    split into ``tokenizer.model`` in that directory. Existing tokenizer and units are reused, so
+    calling this again is cheap. ``part`` and ``tokenize`` are `prepare`'s. Concurrent callers
+    (e.g. every rank) are serialised by a file lock, but the usual pattern is: rank 0 calls it,
+    barrier, the other ranks call it.
 
     ValueError when ``vocab_size`` differs from the tokenizer's, so ``cfg.vocab_size`` can be used
     for the model's embedding; the manifest's ``vocab_size`` is the same number. ValueError, before
@@ -686,6 +769,8 @@ def prepare_from_config(cfg: Mapping[str, Any]) -> Path:
         val_fraction=val_fraction,
         max_tokens=max_tokens,
         num_workers=cfg.get("num_workers"),
+        part=part,
+        tokenize=tokenize,
     )
 
 
@@ -696,7 +781,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     """Command line: see ``python -m data.prepare --help``."""
     parser = argparse.ArgumentParser(
         prog="python -m data.prepare",
-        description="Tokenize a corpus into token shards (see docs/data.md).",
+        description="Tokenize a corpus into token files, one unit of work per input file (see docs/data.md).",
     )
     parser.add_argument("inputs", nargs="*", help=".txt/.jsonl/.parquet files or directories")
     parser.add_argument("--config", help="a configs/data/*.yaml file; prepares it into its cache")
@@ -718,16 +803,26 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--text-field", default="text", help="jsonl field / column with the text")
     parser.add_argument("--val-fraction", type=float, default=0.01)
     parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     parser.add_argument("--num-workers", type=int, help="default: min(4, cpu_count)")
+    parser.add_argument(
+        "--part",
+        type=_parse_part,
+        metavar="K/N",
+        help="tokenize only slice K (0-based) of N of the input files; the part that finishes "
+        "the last unit runs the final step",
+    )
+    parser.add_argument(
+        "--finalize", action="store_true", help="only the final step: check the units, write the manifest"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    steps = {"part": args.part, "tokenize": not args.finalize}
 
     if args.config:
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.set))
-        out = prepare_from_config(cfg)
+        out = prepare_from_config(cfg, **steps)
     else:
         if not args.out:
             parser.error("give --out (or --config)")
@@ -753,14 +848,38 @@ def main(argv: Sequence[str] | None = None) -> Path:
             text_field=args.text_field,
             val_fraction=args.val_fraction,
             max_tokens=args.max_tokens,
-            shard_tokens=args.shard_tokens,
             num_workers=args.num_workers,
             progress=not args.quiet,
+            **steps,
+        )
+    print(_summary(out))
+    return out
+
+
+def _parse_part(text: str) -> tuple[int, int]:
+    """``"K/N"`` as (K, N); argparse's error for other text."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K/N, e.g. 0/8") from None
+    if n < 1 or not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"part {text} needs 0 <= K < N")
+    return k, n
+
+
+def _summary(out: Path) -> str:
+    """One line on ``out``: its splits when complete, else how many units are finished."""
+    if not (out / MANIFEST).is_file():
+        recipe = json.loads((out / RECIPE).read_text())
+        sources = recipe["sources"]
+        missing = units.needed_records(out, sources, recipe["max_tokens"])[1]
+        return (
+            f"{out}: {len(missing)} unit(s) unfinished of {len(sources)}; the part that finishes "
+            "the last one runs the final step (or: the same command with --finalize)"
         )
     manifest = load_manifest(out)
     counts = ", ".join(f"{k} {v['tokens']:,} tokens" for k, v in manifest["splits"].items())
-    print(f"{out}: vocab_size {manifest['vocab_size']}, {counts}")
-    return out
+    return f"{out}: vocab_size {manifest['vocab_size']}, {counts}"
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

@@ -1,12 +1,18 @@
-"""Tests of the data pipeline (data/): tokenizer, prepare, loader, configs. Run in a few seconds."""
+"""Tests of the data pipeline (data/): tokenizer, prepare (units, parts, kills, format 1), loader,
+configs."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+import random
 import re
+import shutil
+import signal
+import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -18,11 +24,15 @@ import torch
 from omegaconf import OmegaConf
 
 from data import prepare as prep
-from data.loader import TokenLoader, val_batches
+from data import units
+from data.loader import TokenLoader, read_split, sample_order, val_batches
 from data.prepare import iter_documents, load_manifest, prepare, prepare_from_config, val_mask
 from data.tokenizer import Tokenizer, check_vocab, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+import prepare_format1  # noqa: E402
+
 CORPUS = REPO / "data" / "corpus" / "kjv.txt.xz"
 VAL_FRACTION = 0.1
 
@@ -71,11 +81,7 @@ def dataset(work: Path, tokenizer: Tokenizer, txt_file: Path) -> Path:
 
 
 def split_tokens(dataset_dir: Path, split: str) -> np.ndarray:
-    manifest = load_manifest(dataset_dir)
-    shards = manifest["splits"][split]["shards"]
-    return np.concatenate(
-        [np.fromfile(dataset_dir / s["file"], dtype=manifest["dtype"]) for s in shards]
-    )
+    return read_split(dataset_dir, split)
 
 
 def decode_documents(tokenizer: Tokenizer, tokens: np.ndarray) -> list[str]:
@@ -198,7 +204,7 @@ def test_documents_with_blank_lines_roundtrip_via_jsonl(
         progress=False,
     )
     assert decode_documents(tokenizer, split_tokens(out, "train")) == texts
-    assert load_manifest(out)["splits"]["val"] == {"documents": 0, "tokens": 0, "shards": []}
+    assert load_manifest(out)["splits"]["val"] == {"documents": 0, "tokens": 0, "extents": []}
 
 
 def test_missing_text_field_is_reported(tmp_path: Path, tokenizer: Tokenizer) -> None:
@@ -242,7 +248,7 @@ def test_single_document_leaves_train_empty(tmp_path: Path, tokenizer: Tokenizer
 def test_second_prepare_reuses_the_dataset(
     work: Path, dataset: Path, tokenizer: Tokenizer, txt_file: Path
 ) -> None:
-    files = sorted(p for p in dataset.iterdir() if p.name != ".lock")
+    files = sorted(p for p in dataset.rglob("*") if p.is_file() and p.name != ".lock")
     before = {p.name: p.stat().st_mtime_ns for p in files}
     again = prepare(
         work / "ds",
@@ -255,7 +261,7 @@ def test_second_prepare_reuses_the_dataset(
     assert again == dataset
     assert {p.name: p.stat().st_mtime_ns for p in files} == before
     assert not (dataset / ".incomplete").exists()
-    assert not list(dataset.glob("*.tmp"))
+    assert not list(dataset.rglob("*.tmp"))
 
 
 def test_interrupted_prepare_leaves_no_manifest_then_completes(
@@ -268,7 +274,7 @@ def test_interrupted_prepare_leaves_no_manifest_then_completes(
     def crash(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prep, "_write_manifest", crash)
+    monkeypatch.setattr(prep, "_manifest_text", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare(
             tmp_path / "ds",
@@ -278,7 +284,8 @@ def test_interrupted_prepare_leaves_no_manifest_then_completes(
             num_workers=1,
             progress=False,
         )
-    assert (tmp_path / "ds" / "train_000000.bin").exists()
+    assert (tmp_path / "ds" / "units" / "000000.bin").exists()
+    assert (tmp_path / "ds" / "ledger" / "000000.json").exists()
     with pytest.raises(FileNotFoundError, match="no manifest.json"):
         TokenLoader(tmp_path / "ds", "train", seq_len=8, global_batch_size=2)
     monkeypatch.undo()
@@ -299,12 +306,12 @@ def test_damaged_shard_is_detected_and_rebuilt(
 ) -> None:
     kwargs = dict(val_fraction=VAL_FRACTION, num_workers=1, progress=False)
     out = prepare(tmp_path / "ds", tokenizer.path, [txt_file], **kwargs)
-    shard = out / "val_000000.bin"
-    shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(ValueError, match="val_000000.bin is .* bytes; the manifest expects"):
+    unit = out / "units" / "000000.bin"
+    unit.write_bytes(unit.read_bytes()[:-2])
+    with pytest.raises(ValueError, match=r"units/000000\.bin is .* bytes; the manifest expects"):
         TokenLoader(out, "val", seq_len=8, global_batch_size=2)
-    (out / "train_000000.bin").unlink()
-    with pytest.raises(FileNotFoundError, match="train_000000.bin of the manifest is missing"):
+    unit.unlink()
+    with pytest.raises(FileNotFoundError, match=r"units/000000\.bin of the manifest is missing"):
         TokenLoader(out, "train", seq_len=8, global_batch_size=2)
     prepare(tmp_path / "ds", tokenizer.path, [txt_file], **kwargs)
     assert load_manifest(out)["fingerprint"] == load_manifest(dataset)["fingerprint"]
@@ -327,7 +334,7 @@ def test_prepare_never_overwrites_other_data(
     assert (user_dir / "notes.txt").read_text() == "keep me"
 
 
-def test_workers_sharding_and_max_tokens_do_not_change_tokens(
+def test_workers_and_max_tokens_do_not_change_tokens(
     tmp_path: Path,
     dataset: Path,
     tokenizer: Tokenizer,
@@ -340,13 +347,12 @@ def test_workers_sharding_and_max_tokens_do_not_change_tokens(
         tokenizer.path,
         [txt_file],
         val_fraction=VAL_FRACTION,
-        shard_tokens=1000,
         num_workers=2,
         progress=False,
     )
     manifest = load_manifest(out)
-    assert len(manifest["splits"]["train"]["shards"]) > 10
-    assert all(s["tokens"] == 1000 for s in manifest["splits"]["train"]["shards"][:-1])
+    assert manifest["format_version"] == prep.FORMAT_VERSION == 2
+    assert len(manifest["splits"]["val"]["extents"]) == 4  # documents 0, 10, 20, 30
     for split in ("train", "val"):
         assert np.array_equal(split_tokens(out, split), split_tokens(dataset, split))
     assert manifest["fingerprint"] == load_manifest(dataset)["fingerprint"]
@@ -390,6 +396,244 @@ def test_cli_trains_the_tokenizer_on_the_train_split(
     assert Tokenizer(out / "tokenizer.model").sha256 == train_only.sha256
     with pytest.raises(SystemExit):
         prep.main([str(txt_file), "--out", str(tmp_path / "x")])  # neither tokenizer nor vocab
+
+
+# ----------------------------------------------------------------------------- units, parts, kills
+
+MULTI_FILES = 6
+MULTI_VAL_FRACTION = 0.02
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(work: Path) -> Path:
+    """The bundled corpus (1,189 chapters) split into 6 .txt files of consecutive chapters."""
+    chapters = list(iter_documents(CORPUS))
+    folder = work / "corpus6"
+    folder.mkdir()
+    step = -(-len(chapters) // MULTI_FILES)
+    for i in range(MULTI_FILES):
+        text = "\n\n".join(chapters[i * step : (i + 1) * step]) + "\n"
+        (folder / f"part{i}.txt").write_text(text, encoding="utf-8")
+    return folder
+
+
+def prepare_args(tokenizer: Tokenizer, corpus_dir: Path, out: Path) -> list[str]:
+    """``python -m data.prepare`` arguments that prepare ``corpus_dir`` into ``out``."""
+    return [str(corpus_dir), "--out", str(out), "--tokenizer", str(tokenizer.path),
+            "--val-fraction", str(MULTI_VAL_FRACTION), "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def multi_reference(work: Path, tokenizer: Tokenizer, corpus_dir: Path) -> Path:
+    """The 6-file corpus prepared in one uninterrupted call with one worker."""
+    return prepare(work / "multi-ref", tokenizer.path, [corpus_dir], val_fraction=MULTI_VAL_FRACTION,
+                   num_workers=1, progress=False)
+
+
+def dataset_files(out: Path) -> dict[str, bytes]:
+    """Every file of a dataset directory but its lock, by relative path: its bytes."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def assert_same_dataset(out: Path, reference: Path) -> None:
+    got, want = dataset_files(out), dataset_files(reference)
+    assert sorted(got) == sorted(want)
+    differing = [name for name in want if got[name] != want[name]]
+    assert not differing, f"files of {out} differ from {reference}: {differing}"
+
+
+def run_prepare(args: list[str]) -> subprocess.Popen:
+    """``python -m data.prepare ARGS`` in a session of its own (so its pool can be killed with it)."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-m", "data.prepare", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def test_multi_file_dataset_matches_format1(
+    tmp_path: Path, multi_reference: Path, tokenizer: Tokenizer, corpus_dir: Path
+) -> None:
+    """Format 2 (one unit per file) holds the token streams of format 1 (one stream cut into
+    shards): the same documents in the same order, the same validation documents, the same
+    fingerprint; also when ``max_tokens`` cuts inside the third file."""
+    manifest = load_manifest(multi_reference)
+    assert len(manifest["units"]) == MULTI_FILES and manifest["format_version"] == 2
+    old = prepare_format1.prepare(tmp_path / "v1", tokenizer.path, [corpus_dir],
+                                  val_fraction=MULTI_VAL_FRACTION, num_workers=1, progress=False,
+                                  shard_tokens=50_000)
+    assert load_manifest(old)["fingerprint"] == manifest["fingerprint"]
+    for split in ("train", "val"):
+        assert np.array_equal(read_split(old, split), read_split(multi_reference, split))
+        assert manifest["splits"][split]["documents"] == load_manifest(old)["splits"][split]["documents"]
+    cut = manifest["units"][0]["tokens"] + manifest["units"][1]["tokens"] + 1000
+    kwargs = dict(val_fraction=MULTI_VAL_FRACTION, max_tokens=cut, num_workers=1, progress=False)
+    capped_old = prepare_format1.prepare(tmp_path / "v1cap", tokenizer.path, [corpus_dir], **kwargs)
+    capped = prepare(tmp_path / "cap", tokenizer.path, [corpus_dir], **kwargs)
+    assert load_manifest(capped)["fingerprint"] == load_manifest(capped_old)["fingerprint"]
+    assert sorted(p.name for p in (capped / "units").glob("*.bin")) == ["000000.bin", "000001.bin", "000002.bin"]
+
+
+def test_format1_dataset_is_kept_and_its_runs_resume(
+    tmp_path: Path, tokenizer: Tokenizer, txt_file: Path, dataset: Path
+) -> None:
+    """A dataset written by format 1's preparation is read as it is, prepare() returns it
+    untouched, and a loader state saved on it resumes on the format-2 dataset of the same inputs
+    with the same batches (and the reverse)."""
+    kwargs = dict(val_fraction=VAL_FRACTION, num_workers=1, progress=False)
+    old = prepare_format1.prepare(tmp_path / "v1", tokenizer.path, [txt_file], shard_tokens=3000, **kwargs)
+    before = dataset_files(old)
+    assert load_manifest(old)["format_version"] == 1 and len(load_manifest(old)["splits"]["train"]["shards"]) > 3
+    assert prepare(old, tokenizer.path, [txt_file], **kwargs) == old
+    assert dataset_files(old) == before
+    with pytest.raises(ValueError, match="already holds a dataset prepared from other"):
+        prepare(old, tokenizer.path, [txt_file], val_fraction=0.5, progress=False)
+    saved = TokenLoader(old, "train", 64, 6, seed=5)
+    batches(saved, 7)
+    state = saved.state_dict()
+    for directory in (old, dataset):
+        resumed = TokenLoader(directory, "train", 64, 6, seed=0)
+        resumed.load_state_dict(state)
+        for (x, y), (rx, ry) in zip(batches(resumed, 5), batches(TokenLoader(old, "train", 64, 6, seed=5), 12)[7:],
+                                    strict=True):
+            assert torch.equal(x, rx) and torch.equal(y, ry)
+    assert [x.tolist() for x, _ in val_batches(old, 16, 2)] == [x.tolist() for x, _ in val_batches(dataset, 16, 2)]
+    (old / "train_000001.bin").unlink()  # damaged: prepared again, as format 2, same streams
+    assert prepare(old, tokenizer.path, [txt_file], **kwargs) == old
+    assert load_manifest(old)["format_version"] == 2
+    assert load_manifest(old)["fingerprint"] == json.loads(before["manifest.json"])["fingerprint"]
+    assert not list(old.glob("train_*.bin"))
+
+
+def test_format1_cache_directory_is_found_by_the_config(tmp_path: Path, txt_file: Path) -> None:
+    """A dataset that format 1 prepared from a config lives in the directory that the config
+    names today, so a run resumed with that config finds it, unchanged."""
+    cfg = load_config("sample", tmp_path, inputs=[str(txt_file)], vocab_size=512, num_workers=1)
+    old = prepare_format1.prepare_from_config(cfg)
+    before = dataset_files(old)
+    assert prep.dataset_dir(cfg) == old
+    assert prepare_from_config(cfg) == old
+    assert dataset_files(old) == before
+
+
+def writing(out: Path, pid: int) -> bool:
+    """Whether process ``pid`` is writing a unit of ``out`` (its temporary files exist)."""
+    return any((out / "units").glob(f".*.{pid}.tmp")) if (out / "units").is_dir() else False
+
+
+def test_sigkilled_preparation_resumes_to_the_same_bytes(
+    tmp_path: Path, multi_reference: Path, tokenizer: Tokenizer, corpus_dir: Path
+) -> None:
+    """SIGKILL (the process and its pool) at random points of its work, run again, until it
+    finishes: the directory is byte-identical to an uninterrupted one-worker preparation."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    out = tmp_path / "killed"
+    args = prepare_args(tokenizer, corpus_dir, out) + ["--num-workers", "2"]
+    finished_at_kill: list[int] = []
+    longest = 3.0  # seconds from the first unit's start to the kill, at most
+    for _attempt in range(10):
+        proc = run_prepare(args)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and not writing(out, proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it tokenizes its first unit
+        time.sleep(rng.uniform(0, longest))
+        if proc.poll() is not None and not finished_at_kill:  # finished before any kill: again
+            proc.wait()
+            shutil.rmtree(out)
+            longest /= 2
+            continue
+        if proc.poll() is not None:
+            break
+        finished_at_kill.append(len(list((out / "ledger").glob("*.json"))))
+        os.killpg(proc.pid, signal.SIGKILL)  # the session started for this process
+        proc.wait()
+    else:
+        proc = run_prepare(args)
+        proc.wait(timeout=300)
+    assert proc.returncode == 0, f"seed {seed}: {proc.stderr.read()}"
+    assert finished_at_kill, f"seed {seed}: no attempt was killed"
+    assert_same_dataset(out, multi_reference)
+    print(f"seed {seed}: {len(finished_at_kill)} kill(s), units finished at each: {finished_at_kill}")
+
+
+def test_two_processes_prepare_disjoint_parts(
+    tmp_path: Path, multi_reference: Path, tokenizer: Tokenizer, corpus_dir: Path
+) -> None:
+    """``--part 0/2`` and ``--part 1/2`` at once on one directory: the part finishing last runs
+    the final step, and the result is byte-identical to one process's."""
+    out = tmp_path / "parts"
+    procs = [run_prepare(prepare_args(tokenizer, corpus_dir, out) + ["--num-workers", "1", "--part", f"{k}/2"])
+             for k in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert sum("unit(s) unfinished" in o for o, _ in outputs) <= 1, outputs
+    assert_same_dataset(out, multi_reference)
+
+
+def test_final_step_names_unfinished_missing_and_corrupt_units(
+    tmp_path: Path, multi_reference: Path, tokenizer: Tokenizer, corpus_dir: Path
+) -> None:
+    out = tmp_path / "ds"
+    kwargs = dict(val_fraction=MULTI_VAL_FRACTION, num_workers=1, progress=False)
+    prepare(out, tokenizer.path, [corpus_dir], part=(0, 2), **kwargs)
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(units.UnitError, match=r"needs 3 unfinished unit\(s\).*3 \(.*part3\.txt\), 4 .*, 5 "):
+        prepare(out, tokenizer.path, [corpus_dir], tokenize=False, **kwargs)
+    (out / "units" / "000001.bin").unlink()
+    with pytest.raises(units.UnitError, match=r"unit 1 \(.*part1\.txt\) is damaged: .*units/000001\.bin is missing"):
+        prepare(out, tokenizer.path, [corpus_dir], part=(1, 2), **kwargs)
+    assert not (out / "ledger" / "000001.json").exists()  # so that the next run redoes it
+    blob = bytearray((out / "units" / "000004.bin").read_bytes())
+    blob[100] ^= 1  # same size, other bytes: only the final step's SHA-256 finds it
+    (out / "units" / "000004.bin").write_bytes(bytes(blob))
+    with pytest.raises(units.UnitError, match=r"unit 4 \(.*part4\.txt\) is damaged: .*000004\.bin does not hold"):
+        prepare(out, tokenizer.path, [corpus_dir], **kwargs)
+    assert prepare(out, tokenizer.path, [corpus_dir], **kwargs) == out
+    assert_same_dataset(out, multi_reference)
+
+
+def test_parts_past_max_tokens_leave_the_same_dataset(
+    tmp_path: Path, multi_reference: Path, tokenizer: Tokenizer, corpus_dir: Path
+) -> None:
+    """With ``max_tokens`` inside the third file, the second part (files 3 to 5, all past it) is
+    tokenized before the first part finishes; the final step removes those units, and the result
+    is the single process's, which never tokenized them."""
+    cut = sum(u["tokens"] for u in load_manifest(multi_reference)["units"][:2]) + 1000
+    kwargs = dict(val_fraction=MULTI_VAL_FRACTION, max_tokens=cut, num_workers=1, progress=False)
+    single = prepare(tmp_path / "single", tokenizer.path, [corpus_dir], **kwargs)
+    assert len(list((single / "ledger").glob("*.json"))) == 3
+    out = tmp_path / "parts"
+    prepare(out, tokenizer.path, [corpus_dir], part=(1, 2), **kwargs)
+    assert len(list((out / "units").glob("*.bin"))) == 3 and not (out / "manifest.json").exists()
+    prepare(out, tokenizer.path, [corpus_dir], part=(0, 2), **kwargs)
+    assert_same_dataset(out, single)
+    units.write_json(units.record_path(out, 5), {"unit": 5})  # what a late part may leave
+    assert prepare(out, tokenizer.path, [corpus_dir], part=(1, 2), **kwargs) == out
+    assert_same_dataset(out, single)
+
+
+def test_parts_must_share_the_recipe(
+    tmp_path: Path, tokenizer: Tokenizer, corpus_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "ds"
+    prepare(out, tokenizer.path, [corpus_dir], val_fraction=0.02, part=(0, 3), num_workers=1, progress=False)
+    with pytest.raises(ValueError, match="being prepared from other inputs.*same inputs and settings"):
+        prepare(out, tokenizer.path, [corpus_dir], val_fraction=0.05, part=(1, 3), progress=False)
+    with pytest.raises(ValueError, match="part must be K/N with 0 <= K < N, got 3/3"):
+        prepare(out, tokenizer.path, [corpus_dir], val_fraction=0.02, part=(3, 3), progress=False)
+    with pytest.raises(SystemExit):
+        prep.main([str(corpus_dir), "--out", str(out), "--tokenizer", str(tokenizer.path), "--part", "x"])
+    assert "'x' is not K/N, e.g. 0/8" in capsys.readouterr().err
+
+
+def test_sample_order_is_the_permutation() -> None:
+    """The loader's uint32 order is numpy's ``permutation``: runs keep their order."""
+    for n, seed, epoch in ((1, 0, 0), (7, 3, 1), (1000, 0, 5), (123_457, 42, 2)):
+        order = sample_order(seed, epoch, n)
+        assert order.dtype == np.uint32
+        assert np.array_equal(order, np.random.default_rng((seed, epoch)).permutation(n))
+    assert not np.array_equal(sample_order(0, 0, 1000), sample_order(0, 1, 1000))
 
 
 # ----------------------------------------------------------------------------- configs

@@ -11,7 +11,9 @@ unchanged, as a user would, with 2 CPU ranks of the tiny model:
   checkpoint and requeues the job, which resumes and ends with exactly the reference's losses;
 - ``scancel`` of such a job cancels it (no requeue);
 - the same through slurm/multi_node.sbatch (one torchrun per node, here one node);
-- a Hydra sweep of 2 jobs through hydra/launcher=slurm.
+- a Hydra sweep of 2 jobs through hydra/launcher=slurm;
+- slurm/prepare.sbatch: an array of 3 tasks prepares the bundled corpus split into 6 files, the
+  last task runs the final step, and the dataset is byte-identical to one process's.
 
 Slurm holds a requeued batch job for about two minutes (its BeginTime); the tests lift that hold
 with ``scontrol update jobid=... StartTime=now`` once the job has been pending for 3 s (at once,
@@ -35,7 +37,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_cluster import SlurmCluster, unavailable  # noqa: E402
+from slurm_cluster import SlurmCluster, parse_fields, unavailable  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -302,3 +304,54 @@ def test_slurm_launcher_sweep(jobs, cluster, tmp_path):
         assert summary["steps"] == 2 and summary["world_size"] == 2 and summary["scheme"] == scheme
     script = next((tmp_path / "multirun" / ".submitit").glob("*/*_submission.sh")).read_text()
     assert "#SBATCH --signal=USR2@300" in script and "export MASTER_ADDR=" in script
+
+
+# ----------------------------------------------------------------------------- data preparation
+
+
+def _array_states(cluster: SlurmCluster, job: str, timeout: float = 300) -> list[dict[str, str]]:
+    """Wait until no task of array job ``job`` is queued or running; each task's fields."""
+    deadline = time.monotonic() + timeout
+    while cluster.cmd("squeue", "-h", "-j", job, "-o", "%i", check=False).strip():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"array job {job} still queued after {timeout:.0f} s\n{cluster.logs()}")
+        time.sleep(0.5)
+    out = cluster.cmd("scontrol", "-o", "show", "job", job)
+    return [parse_fields(line) for line in out.splitlines() if line.strip()]
+
+
+def test_prepare_sbatch_array(cluster, tmp_path):
+    """slurm/prepare.sbatch as an array of 3 one-CPU tasks (2 run at once on the 2-CPU node) on
+    the bundled corpus split into 6 files: every task exits 0, the last one writes the manifest,
+    and the directory is byte-identical to a one-process preparation."""
+    from data.prepare import iter_documents, prepare
+    from data.tokenizer import train_tokenizer
+
+    chapters = list(iter_documents(REPO / "data" / "corpus" / "kjv.txt.xz"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"part{i}.txt").write_text("\n\n".join(chapters[i::6]) + "\n", encoding="utf-8")
+    tokenizer = train_tokenizer(chapters[:60], tmp_path / "tok.model", 512)
+    args = [str(corpus), "--out", None, "--tokenizer", str(tokenizer.path), "--val-fraction", "0.02"]
+    reference = prepare(tmp_path / "reference", tokenizer.path, [corpus], val_fraction=0.02, num_workers=1,
+                        progress=False)
+    out = tmp_path / "array"
+    args[2] = str(out)
+    env = {"PYTHON": sys.executable, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    job = cluster.sbatch([f"--output={tmp_path}/prepare-%A_%a.out", "--array=0-2", "--cpus-per-task=1",
+                          "--time=10", "slurm/prepare.sbatch", *args], env=env, cwd=REPO)
+    tasks = _array_states(cluster, job)
+    logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("prepare-*.out")))
+    assert len(tasks) == 3 and {t["JobState"] for t in tasks} == {"COMPLETED"}, f"{tasks}\n{logs}"
+    for k in range(3):
+        assert f"part {k}/3, 1 CPU(s)" in logs and f"part {k}/3 done" in logs, logs
+    assert logs.count("unit(s) unfinished of 6") <= 2 and "vocab_size 512, train" in logs, logs
+
+    def files(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+                if p.is_file() and p.name != ".lock"}
+
+    assert files(out) == files(reference)
+    assert len(list((out / "units").glob("*.bin"))) == 6

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import quant
-from data.loader import val_batches
+from data.loader import read_split, val_batches
 from data.prepare import load_manifest, prepare_from_config
 from model import build_model
 from model.llama import Llama, RMSNorm
@@ -83,10 +83,7 @@ def unigram_baseline(cfg) -> float:
     predictor: the train split's token frequencies (add-one smoothed)."""
     data_dir = prepare_from_config(cfg.data)
     manifest = load_manifest(data_dir)
-    train_tokens = np.concatenate([
-        np.fromfile(data_dir / shard["file"], dtype=manifest["dtype"])
-        for shard in manifest["splits"]["train"]["shards"]
-    ])
+    train_tokens = read_split(data_dir, "train")
     counts = np.bincount(train_tokens, minlength=manifest["vocab_size"]) + 1.0
     log_p = np.log(counts / counts.sum())
     targets = np.concatenate([
