@@ -87,28 +87,51 @@ def _fp32_neighbours(x: torch.Tensor, steps: int) -> list[torch.Tensor]:
     return [(bits + k).view(torch.float32) for k in order]
 
 
-def weight_global_scale(t: NVFP4Tensor, name: str = "weight") -> torch.Tensor:
-    """The FP32 ``weight_global_scale`` (shape ``[1]``) of a 1×16 Ŵ: the FP32 value nearest
-    ``1 / s_t`` for which :func:`ct_dequantize` gives ``t.dequantize()`` rounded to BF16 in every
-    element, bit for bit (module docstring). ValueError, naming ``name``, when Ŵ is not finite
-    (a diverged run) or no value within :data:`GLOBAL_SCALE_SEARCH` steps reproduces it."""
+def bf16_midpoints(x: torch.Tensor) -> torch.Tensor:
+    """Where FP32 ``x`` lies exactly halfway between two BF16 values (its low 16 bits are 0x8000):
+    there rounding to BF16 is a tie, which ties-to-even decides."""
+    return (x.float().view(torch.int32) & 0xFFFF) == 0x8000
+
+
+def weight_global_scale(t: NVFP4Tensor, name: str = "weight") -> tuple[torch.Tensor, int]:
+    """The FP32 ``weight_global_scale`` (shape ``[1]``) of a 1×16 Ŵ, and how many elements of Ŵ it
+    gives as a tie's other BF16 neighbour.
+
+    Of the FP32 values within :data:`GLOBAL_SCALE_SEARCH` steps of ``1 / s_t``, nearest first, the
+    first for which :func:`ct_dequantize` gives ``t.dequantize()`` rounded to BF16 in every element,
+    bit for bit (module docstring). When Ŵ has elements exactly halfway between two BF16 values (a
+    tensor scale of few significant bits, e.g. from a BF16 weight whose amax is a multiple of 21,
+    ``s_t = amax / (6 · 448)``), no FP32 ``1 / s_t`` may round every such tie to even, since
+    ``s_b / g`` is then never exact: the value with the fewest mismatches is taken, provided every
+    mismatch is such a tie given as the other neighbour (as far from Ŵ as the even one); the count
+    is returned. ValueError, naming ``name``, when Ŵ is not finite (a diverged run) or no value
+    meets this."""
     s_t = t.tensor_scale.float()
     if not bool(torch.isfinite(s_t)):
         raise ValueError(f"{name}: its quantized weight is NaN (the weight holds NaN or inf, SPEC §6.4): "
                          f"the run diverged. Fix: export an earlier checkpoint.")
-    target = t.dequantize().bfloat16().view(torch.int16)
+    exact = t.dequantize()
+    target, ties = exact.bfloat16().view(torch.int16), bf16_midpoints(exact)
     packed, scales = pack_codes(encode_e2m1(t.q)), t.block_scale.to(torch.float8_e4m3fn)
-    best = None
+    best: tuple[int, torch.Tensor] | None = None
+    fewest = None
     for g in _fp32_neighbours(1.0 / s_t, GLOBAL_SCALE_SEARCH):
         if not bool(torch.isfinite(g)) or g.item() <= 0:
             continue
-        mismatches = int((ct_dequantize(packed, scales, g).view(torch.int16) != target).sum())
+        got = ct_dequantize(packed, scales, g).view(torch.int16)
+        wrong = got != target
+        mismatches = int(wrong.sum())
         if mismatches == 0:
-            return g
-        best = mismatches if best is None else min(best, mismatches)
+            return g, 0
+        fewest = mismatches if fewest is None else min(fewest, mismatches)
+        other_neighbour = ((got.int() - target.int()).abs() == 1) & ties
+        if bool((other_neighbour | ~wrong).all()) and (best is None or mismatches < best[0]):
+            best = (mismatches, g)
+    if best is not None:
+        return best[1], best[0]
     raise ValueError(f"{name}: no FP32 global scale within {GLOBAL_SCALE_SEARCH} steps of 1/s_t "
-                     f"(s_t = {s_t.item():.9g}) reproduces its Ŵ through compressed-tensors' "
-                     f"dequantization (fewest mismatches: {best}). Report this with the checkpoint.")
+                     f"(s_t = {s_t.item():.9g}) reproduces its Ŵ in BF16 through compressed-tensors' "
+                     f"dequantization (fewest mismatches: {fewest}). Report this with the checkpoint.")
 
 
 def input_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -188,9 +211,11 @@ def quantization_config(ignore: Iterable[str], activations: bool) -> dict[str, A
 
 def compressed_state_dict(cfg: LlamaConfig, weights: Mapping[str, NVFP4Tensor],
                           input_amax: Mapping[str, torch.Tensor] | None,
-                          dense: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The tensors of ``model.safetensors`` and the ``ignore`` list (the embedding and every linear
-    kept in BF16, by HF module name) of an NVFP4 export.
+                          dense: Mapping[str, torch.Tensor]
+                          ) -> tuple[dict[str, torch.Tensor], list[str], dict[str, int]]:
+    """The tensors of ``model.safetensors``, the ``ignore`` list (the embedding and every linear
+    kept in BF16, by HF module name) of an NVFP4 export, and the framework linears whose Ŵ has
+    BF16 ties given as the other neighbour (:func:`weight_global_scale`), with their counts.
 
     ``dense`` is the HF state dict of the model (``model.hf.to_hf_state_dict``): every tensor of a
     module that is not quantized is written from it in BF16. Each quantized framework linear (in
@@ -201,8 +226,9 @@ def compressed_state_dict(cfg: LlamaConfig, weights: Mapping[str, NVFP4Tensor],
     linears = hf_linears(cfg)
     out: dict[str, torch.Tensor] = {}
     quantized_hf = set()
+    ties = {}
     for name, t in weights.items():
-        g = weight_global_scale(t, name)
+        g, ties[name] = weight_global_scale(t, name)
         packed, scales = pack_codes(encode_e2m1(t.q)), t.block_scale.to(torch.float8_e4m3fn)
         rows = [r for _, r in linears[name]]
         for (hf, _), p, s in zip(linears[name], packed.split(rows), scales.split(rows)):
@@ -215,4 +241,4 @@ def compressed_state_dict(cfg: LlamaConfig, weights: Mapping[str, NVFP4Tensor],
         if key.removesuffix(".weight") not in quantized_hf:
             out[key] = v.detach().to(torch.bfloat16, copy=True).contiguous()
     ignore = [hf for name, mods in linears.items() if name not in weights for hf, _ in mods]
-    return out, ["model.embed_tokens", *ignore]
+    return out, ["model.embed_tokens", *ignore], {k: n for k, n in ties.items() if n}

@@ -212,13 +212,13 @@ def write_nvfp4_folder(out: Path, state: Mapping[str, torch.Tensor], config: Map
     weights, _, ptq = forward_weights(state, cfg, config["quant"], weight_dtype)
     amax = calibrate_input_amax(trained_model(state, config), weights, calib) if calib else None
     bos, eos = write_tokenizer(sp_model, out, cfg.max_seq_len)
-    tensors, ignore = compressed_state_dict(cfg, weights, amax, to_hf_state_dict(state, cfg))
+    tensors, ignore, ties = compressed_state_dict(cfg, weights, amax, to_hf_state_dict(state, cfg))
     save_file(tensors, out / HF_WEIGHTS, metadata={"format": "pt"})
     hf = hf_config(cfg, dtype=torch.bfloat16, bos_token_id=bos, eos_token_id=eos)
     hf["quantization_config"] = quantization_config(ignore, activations=amax is not None)
     hf["nvfp4_training"] = _training_record(config, results) | {"export": {
         "weights": "rtn_ptq" if ptq else "forward", "forward_weights_from": str(weight_dtype).removeprefix("torch."),
-        "calibration_batches": len(calib)}}
+        "calibration_batches": len(calib), "bf16_ties_other_neighbour": ties}}
     _write_json(out / HF_CONFIG, hf)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
     (out / "README.md").write_text(model_card(results, cfg, "bfloat16", "ptq" if ptq else "forward"))
