@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data.loader import val_batches
+from data.prepare import dataset_dir
 from model.llama import Llama, build_model
 from quant.format import E2M1_MAX, E4M3_MAX, NVFP4Tensor, round_e2m1, to_groups
 from quant.linear import quantize_model
@@ -36,6 +38,23 @@ def trained_model(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) 
     quantize_model(model, scheme, skip=skip_patterns(config["quant"], model.config.n_layer, scheme))
     model.load_state_dict(state, strict=False)
     return model.eval()
+
+
+def validation_batches(config: Mapping[str, Any], count: int | None, fix: str,
+                       batch_size: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` batches of a run's validation split (``train.seq_len`` × ``batch_size``, default
+    ``train.eval_batch_size``; ``data.loader.val_batches``, the evenly spaced set the run validated
+    on). ValueError ending in ``fix`` when the run's prepared dataset is not on this machine or is
+    too small."""
+    from omegaconf import OmegaConf
+
+    train = config.get("train") or {}
+    try:
+        data_dir = dataset_dir(OmegaConf.create(config["data"]))
+        size = batch_size or train.get("eval_batch_size") or train["batch_size"]
+        return list(val_batches(data_dir, train["seq_len"], size, count))
+    except (KeyError, ValueError, FileNotFoundError) as err:
+        raise ValueError(f"the run's validation data cannot be read ({err}). {fix}") from None
 
 
 @torch.no_grad()

@@ -39,11 +39,9 @@ import sentencepiece as spm
 import torch
 from safetensors.torch import save_file
 
-from data.loader import val_batches
-from data.prepare import dataset_dir
 from data.tokenizer import Tokenizer, check_vocab
 from inference.nvfp4 import compressed_state_dict, forward_weight_dtype, forward_weights, quantization_config
-from inference.served import calibrate_input_amax, trained_model
+from inference.served import calibrate_input_amax, trained_model, validation_batches
 from inference.trained_model import consolidate, find_tokenizer, read_consolidated
 from model.hf import HF_CONFIG, HF_WEIGHTS, SP_MODEL, hf_config, to_hf_state_dict
 from model.llama import LlamaConfig, build_model
@@ -53,6 +51,8 @@ from training.run_dir import read_metrics, val_losses
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMATS = ("hf", "nvfp4")
+_CALIB_FIX = ("Fix: prepare the run's dataset here (scripts/prepare_data.py), or --calib-batches 0 for a "
+              "weight-only export.")
 PROBE = "  Probe: 1234 tokens,\tüñí漢字\n\nend "  # checked to encode alike in SentencePiece and HF
 
 
@@ -188,22 +188,6 @@ def write_folder(out: Path, state: Mapping[str, torch.Tensor], config: Mapping[s
     (out / "README.md").write_text(model_card(results, cfg, hf["dtype"]))
 
 
-def calibration_batches(config: Mapping[str, Any], count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``count`` batches of the run's validation split (``train.seq_len`` × ``train.eval_batch_size``,
-    ``data.loader.val_batches``: the set the run validated on). ValueError with the fix when the run's
-    prepared dataset is not on this machine or is too small."""
-    from omegaconf import OmegaConf
-
-    fix = ("Fix: prepare the run's dataset here (scripts/prepare_data.py), or --calib-batches 0 for a "
-           "weight-only export.")
-    train = config.get("train") or {}
-    try:
-        data_dir = dataset_dir(OmegaConf.create(config["data"]))
-        return list(val_batches(data_dir, train["seq_len"], train.get("eval_batch_size", train["batch_size"]), count))
-    except (KeyError, ValueError, FileNotFoundError) as err:
-        raise ValueError(f"the run's validation data cannot be read for calibration ({err}). {fix}") from None
-
-
 def write_nvfp4_folder(out: Path, state: Mapping[str, torch.Tensor], config: Mapping[str, Any],
                        results: Mapping[str, Any], cfg: LlamaConfig, sp_model: Path, weight_dtype: torch.dtype,
                        calib: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -256,7 +240,7 @@ def export_hf(source: Path, out: Path, dtype: str = "fp32", tokenizer: Path | No
     if format == "nvfp4":
         weight_dtype = (DTYPES[forward_weights_from] if forward_weights_from
                         else forward_weight_dtype(config, world_size))
-        calib = calibration_batches(config, calib_batches) if calib_batches else []
+        calib = validation_batches(config, calib_batches, _CALIB_FIX) if calib_batches else []
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

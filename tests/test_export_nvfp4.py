@@ -282,3 +282,18 @@ def test_errors_name_the_fix(runs: dict[str, Path], data_cache: Path, tmp_path: 
     config = json.loads((tmp_path / "w" / "config.json").read_text())
     assert config["quantization_config"]["config_groups"]["group_0"]["input_activations"] is None
     assert not any(k.endswith("input_global_scale") for k in load_file(tmp_path / "w" / "model.safetensors"))
+
+
+def test_served_loss_table(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """scripts/served_loss.py: the trained forward's loss is the run's own final validation loss, bit
+    for bit (same batches, same FP32 forward); a bf16 run's trained forward is its BF16 master."""
+    from scripts import served_loss
+
+    rows = {s: served_loss.served_losses(runs[s], 1) for s in ("bf16", "quartet2")}
+    for s, row in rows.items():
+        assert row["trained"] == json.loads((runs[s] / "summary.json").read_text())["final_val_loss"]
+    assert rows["bf16"]["bf16"] == rows["bf16"]["trained"] and rows["bf16"]["weights"] == "RTN PTQ"
+    assert rows["quartet2"]["weights"] == "forward Ŵ"
+    assert len({rows["quartet2"][m] for m in ("trained", "bf16", "w4a16", "w4a4")}) == 4
+    assert served_loss.main([str(runs["bf16"]), "--calib-batches", "0"]) == 1
+    assert "--calib-batches" in capsys.readouterr().err
