@@ -48,7 +48,7 @@ def skip_patterns(quant_cfg: Mapping[str, Any], n_layer: int, scheme: Scheme) ->
     """The module patterns a run kept in BF16: its ``quant.skip`` (the scheme's default when
     absent) and ``keep_edge_blocks``'s blocks (SPEC §3; what ``training.trainer.skip_patterns``
     gives ``quant.quantize_model``)."""
-    patterns = list(quant_cfg.get("skip") or scheme.skip)
+    patterns = list(quant_cfg["skip"] if quant_cfg.get("skip") is not None else scheme.skip)
     edges = quant_cfg.get("keep_edge_blocks")
     if edges:
         patterns += edge_block_patterns(n_layer, edges["first"], edges["last"])
