@@ -51,8 +51,8 @@ from training.run_dir import read_metrics, val_losses
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMATS = ("hf", "nvfp4")
-_CALIB_FIX = ("Fix: prepare the run's dataset here (scripts/prepare_data.py), or --calib-batches 0 for a "
-              "weight-only export.")
+_CALIB_FIX = ("Fix: --calib-batches no more than the split holds, prepare the run's dataset here "
+              "(scripts/prepare_data.py), or --calib-batches 0 for a weight-only export.")
 PROBE = "  Probe: 1234 tokens,\tüñí漢字\n\nend "  # checked to encode alike in SentencePiece and HF
 
 

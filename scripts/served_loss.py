@@ -40,7 +40,8 @@ from inference.trained_model import consolidate  # noqa: E402
 from model.llama import build_model  # noqa: E402
 from training.checkpoint import read_extra, resolve_checkpoint  # noqa: E402
 
-FIX = "Fix: prepare the run's dataset on this machine (scripts/prepare_data.py with the run's data config)."
+FIX = ("Fix: --calib-batches no more than the split holds, or prepare the run's dataset on this machine "
+       "(scripts/prepare_data.py with the run's data config).")
 
 
 @torch.no_grad()
