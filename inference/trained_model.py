@@ -2,7 +2,8 @@
 scripts/evaluate.py): a run directory (its newest complete checkpoint), a DCP checkpoint directory,
 a consolidated ``.pt`` (scripts/export_checkpoint.py) or an exported Hugging Face folder
 (scripts/export_hf.py); and the tokenizer it was trained with. The model is plain
-``build_model(config["model"])`` weights, without quantization."""
+``build_model(config["model"])`` weights, without quantization (an NVFP4 folder's weights are
+decompressed by compressed-tensors, ``model.hf.decompressed``)."""
 
 from __future__ import annotations
 

@@ -158,6 +158,23 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: LlamaConfig) -
     return out
 
 
+def hf_linears(cfg: LlamaConfig) -> dict[str, list[tuple[str, int]]]:
+    """Framework linear module → the ``LlamaForCausalLM`` linear modules it becomes, each with its
+    number of rows, in row order (the mapping of the module docstring, without ``.weight``):
+    ``blocks.i.attn.qkv`` → q_proj, k_proj, v_proj; ``blocks.i.mlp.up_gate`` → up_proj, gate_proj;
+    the other block linears and ``lm_head`` one to one. ``weight.split([rows, ...])`` gives the
+    HF weights of a framework weight, as :func:`to_hf_state_dict` does."""
+    q, kv, h = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.mlp_hidden
+    out = {"lm_head": [("lm_head", cfg.vocab_size)]}
+    for i in range(cfg.n_layer):
+        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+        out[ours + "attn.qkv"] = [(hf + n.removesuffix(".weight"), r) for n, r in zip(_QKV, (q, kv, kv))]
+        out[ours + "attn.proj"] = [(hf + "self_attn.o_proj", cfg.d_model)]
+        out[ours + "mlp.up_gate"] = [(hf + n.removesuffix(".weight"), h) for n in _UP_GATE]
+        out[ours + "mlp.down"] = [(hf + "mlp.down_proj", cfg.d_model)]
+    return out
+
+
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """The framework state dict of a ``LlamaForCausalLM`` state dict: the inverse of :func:`to_hf_state_dict`
     (``attn.qkv`` = cat[q_proj, k_proj, v_proj], ``mlp.up_gate`` = cat[up_proj, gate_proj] along rows).
@@ -174,16 +191,46 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> d
     return out
 
 
+def decompressed(weights: Mapping[str, torch.Tensor],
+                 quantization_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``weights`` of a compressed-tensors ``nvfp4-pack-quantized`` folder with every quantized module's
+    ``weight_packed``, ``weight_scale`` and ``weight_global_scale`` replaced by its dense ``weight``,
+    as compressed-tensors' own ``NVFP4PackedCompressor.decompress`` computes it (BF16; its
+    activation scales are dropped: the framework model runs the weights only, W4A16).
+    ValueError for another format, or when compressed-tensors is not installed."""
+    if quantization_config.get("format") != "nvfp4-pack-quantized":
+        raise ValueError(f"the folder's quantization_config has format {quantization_config.get('format')!r}; "
+                         f"model.hf reads nvfp4-pack-quantized only (scripts/export_hf.py --format nvfp4)")
+    try:
+        from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError as err:
+        raise ValueError(f"an NVFP4 folder needs compressed-tensors ({err}). Fix: pip install -e '.[eval]'.") from None
+    scheme = QuantizationConfig.model_validate(dict(quantization_config)).config_groups["group_0"]
+    out = {k: v for k, v in weights.items() if not k.rpartition(".")[2].startswith(("weight_", "input_"))}
+    for key in weights:
+        if key.endswith(".weight_packed"):
+            module = key.removesuffix(".weight_packed")
+            local = {k.removeprefix(module + "."): v for k, v in weights.items() if k.startswith(module + ".")}
+            out[module + ".weight"] = NVFP4PackedCompressor.decompress(local, scheme)["weight"]
+    return out
+
+
 def load_hf_folder(path: str | Path) -> tuple[Llama, Path | None]:
     """The framework :class:`Llama` of an exported folder (``config.json`` + ``model.safetensors``), on CPU
-    in eval mode with float32 parameters (bf16-stored weights are widened exactly), and the folder's
+    in eval mode with float32 parameters (bf16-stored weights are widened exactly; an NVFP4 folder's
+    weights are decompressed by compressed-tensors, :func:`decompressed`), and the folder's
     SentencePiece ``tokenizer.model`` (None when it has none)."""
     path = Path(path)
     cfg = llama_config_from_hf(json.loads((path / HF_CONFIG).read_text()))
     with torch.device("meta"):
         model = Llama(cfg)
     model.to_empty(device="cpu")
-    model.load_state_dict(from_hf_state_dict(load_file(path / HF_WEIGHTS), cfg), strict=True)
+    config = json.loads((path / HF_CONFIG).read_text())
+    weights = load_file(path / HF_WEIGHTS)
+    if config.get("quantization_config"):
+        weights = decompressed(weights, config["quantization_config"])
+    model.load_state_dict({k: v.float() for k, v in from_hf_state_dict(weights, cfg).items()}, strict=True)
     model.init_buffers()
     tokenizer = path / SP_MODEL
     return model.eval(), tokenizer if tokenizer.is_file() else None

@@ -113,6 +113,23 @@ def _quantize(
     return Factor.of(q), q
 
 
+def quantize_forward_weight(
+    weight: torch.Tensor, scheme: Scheme, delayed_amax: torch.Tensor | None = None
+) -> NVFP4Tensor | None:
+    """Ŵ: the weight operand of the forward GEMM ``Y = X Ŵᵀ`` exactly as a :class:`QuantLinear`
+    under ``scheme`` quantizes it (SPEC §3, the "forward X / W" column; the code path of the
+    layer's forward), or None when the scheme leaves the forward weight in high precision.
+
+    SPEC §3 quantizes the forward weight deterministically (RTN 1×16, RTN 16×16, with or
+    without 4/6; no rotation, no random draw), so Ŵ is a function of ``weight`` alone, and of
+    the layer's ``delayed_amax`` buffer under the delayed-amax ablation, which is read here and
+    not updated."""
+    delayed = None if delayed_amax is None else delayed_amax.detach().clone()
+    _, q = _quantize(Factor(weight.detach()), scheme.forward.b, None, None, None, delayed,
+                     _AMAX_SLOT["forward", "b"])
+    return q
+
+
 def _fp32_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a · bᵀ`` of the operands in ``dtype`` (exact for quantized values), accumulated and
     returned in FP32. On CUDA, BF16/FP16 operands run on the tensor cores with an FP32 output

@@ -6,12 +6,14 @@
 
 MODEL is an exported Hugging Face folder (scripts/export_hf.py), a run directory, a DCP checkpoint
 directory or a consolidated ``.pt`` (scripts/export_checkpoint.py); its tokenizer is found as
-scripts/generate.py finds it. The model is scored by ``training.downstream.ModelLM`` (its
-docstring gives the rules), unquantized. Task data comes from the Hugging Face Hub, or from local
-files through task YAMLs under ``--include-path`` (docs/evaluation.md). Writes the results as a
-markdown table to ``--out`` (default ``MODEL_NAME-eval.md`` in the working directory) and as JSON
-beside it, and prints the table. Bad input (not a model, no tokenizer, an unknown task, task data
-unavailable offline) is one ``error:`` line and exit status 1.
+scripts/generate.py finds it. The model is scored by ``training.downstream.ModelLM`` (its docstring
+gives the rules), unquantized; an NVFP4 folder (``export_hf.py --format nvfp4``) runs its weights
+as compressed-tensors decompresses them, with unquantized activations (W4A16). Task data comes from
+the Hugging Face Hub, or from local files through task YAMLs under ``--include-path``
+(docs/evaluation.md). Writes the results as a markdown table to ``--out`` (default
+``MODEL_NAME-eval.md`` in the working directory) and as JSON beside it, and prints the table. Bad
+input (not a model, no tokenizer, an unknown task, task data unavailable offline) is one ``error:``
+line and exit status 1.
 """
 
 from __future__ import annotations

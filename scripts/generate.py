@@ -7,7 +7,8 @@
 CHECKPOINT is one of: a run directory (its newest complete checkpoint), a DCP checkpoint directory
 (``step_XXXXXXXX``), a consolidated ``.pt`` written by scripts/export_checkpoint.py, or an exported
 Hugging Face folder (``config.json`` and ``model.safetensors``). The model runs as plain
-``build_model(config["model"])`` weights, without quantization.
+``build_model(config["model"])`` weights, without quantization (an NVFP4 folder: its weights as
+compressed-tensors decompresses them, activations unquantized).
 
 The tokenizer is ``--tokenizer``, else the Hugging Face folder's ``tokenizer.model``, else the run
 config's ``data.tokenizer_path`` (relative to the repository root), else the ``tokenizer.model`` of
