@@ -23,9 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .factor import Factor
 from .format import PackedNVFP4
-from .linear import _AMAX_SLOT, QuantLinear, _quantize
+from .linear import QuantLinear, quantize_forward_weight
 from .schemes import Scheme
 
 
@@ -37,9 +36,7 @@ def caches_forward_weight(scheme: Scheme) -> bool:
 def forward_weight(weight: torch.Tensor, scheme: Scheme) -> PackedNVFP4:
     """Ŵ, W quantized by the scheme's forward weight quantizer, packed (SPEC §1): what the
     forward GEMM computes with (:func:`quant.linear.quantized_gemm`)."""
-    _, q = _quantize(Factor(weight), scheme.forward.b, None, None, None, None, _AMAX_SLOT["forward", "b"],
-                     pack=True)
-    return q.pack()
+    return quantize_forward_weight(weight, scheme).pack()
 
 
 def _cached_layers(model: nn.Module) -> list[QuantLinear]:
