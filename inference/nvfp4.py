@@ -35,24 +35,13 @@ import torch
 from model.hf import hf_linears
 from model.llama import LlamaConfig
 from quant.format import E2M1_MAX, E4M3_MAX, GROUP, NVFP4Tensor, decode_e2m1, encode_e2m1, pack_codes, unpack_codes
-from quant.linear import edge_block_patterns, quantize_forward_weight
+from quant.linear import quantize_forward_weight, skip_patterns
 from quant.quantizers import quantize_rtn
-from quant.schemes import Scheme, scheme_from_config
+from quant.schemes import scheme_from_config
 
 CT_FORMAT = "nvfp4-pack-quantized"
 GLOBAL_SCALE_SEARCH = 64
 """How many FP32 steps on either side of ``1 / s_t`` :func:`weight_global_scale` tries."""
-
-
-def skip_patterns(quant_cfg: Mapping[str, Any], n_layer: int, scheme: Scheme) -> list[str]:
-    """The module patterns a run kept in BF16: its ``quant.skip`` (the scheme's default when
-    absent) and ``keep_edge_blocks``'s blocks (SPEC §3; what ``training.trainer.skip_patterns``
-    gives ``quant.quantize_model``)."""
-    patterns = list(quant_cfg["skip"] if quant_cfg.get("skip") is not None else scheme.skip)
-    edges = quant_cfg.get("keep_edge_blocks")
-    if edges:
-        patterns += edge_block_patterns(n_layer, edges["first"], edges["last"])
-    return patterns
 
 
 def as_1x16(t: NVFP4Tensor) -> NVFP4Tensor:
@@ -180,7 +169,7 @@ def forward_weights(state: Mapping[str, torch.Tensor], cfg: LlamaConfig, quant_c
     (SPEC §2, the RTN row) on the same layers: the PTQ comparison point."""
     scheme = scheme_from_config(quant_cfg)
     ptq = scheme.forward.b.quantizer == "none"
-    patterns = skip_patterns(quant_cfg, cfg.n_layer, scheme)
+    patterns = skip_patterns(quant_cfg, cfg.n_layer, scheme.skip)
     weights, kept = {}, []
     for name in hf_linears(cfg):
         if any(fnmatch.fnmatchcase(name, p) for p in patterns):

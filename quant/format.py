@@ -253,6 +253,10 @@ class PackedNVFP4:
     dim: int = -1
     tile: str = "1x16"
 
+    def pack(self) -> PackedNVFP4:
+        """Itself: the packed form of a packed tensor (as :meth:`NVFP4Tensor.pack` gives it)."""
+        return self
+
     def unpack(self) -> NVFP4Tensor:
         return NVFP4Tensor(
             q=decode_e2m1(unpack_codes(self.data)),

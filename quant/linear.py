@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -225,8 +227,6 @@ def _native_operand(f, q) -> PackedNVFP4 | None:
     the factor is its transpose, which 16×16 tiles allow; :meth:`PackedNVFP4.transposed`).
     None when the factor is not NVFP4 (high precision, or a 1×16 tensor read across its
     groups): the GEMM then runs emulated."""
-    if isinstance(q, PackedNVFP4):
-        return q
     if q is not None:
         return q.pack()
     packed = getattr(f, "packed", None)
@@ -276,7 +276,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         if scheme.saves_quantized_x and xq is not None:
             packed["x"] = xq.pack()
         if scheme.saves_quantized_w and wq is not None:
-            packed["w"] = wq if isinstance(wq, PackedNVFP4) else wq.pack()
+            packed["w"] = wq.pack()
         ctx.scheme, ctx.dtype = scheme, dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.delayed_amax = delayed_amax
@@ -424,6 +424,17 @@ def edge_block_patterns(n_layer: int, first: int = 2, last: int = 8, prefix: str
     (NVIDIA's recipe at 12B scale, SPEC §3)."""
     idx = sorted(set(range(min(first, n_layer))) | set(range(max(0, n_layer - last), n_layer)))
     return [f"{prefix}.{i}.*" for i in idx]
+
+
+def skip_patterns(quant_cfg: Mapping[str, Any], n_layer: int, default: Sequence[str] = ()) -> list[str]:
+    """The module patterns a quant config (configs/quant/) keeps in high precision: its ``skip``
+    (``default`` when absent or null: the scheme's own, for the config of a run) and
+    ``keep_edge_blocks``'s first and last blocks (:func:`edge_block_patterns`)."""
+    patterns = list(quant_cfg["skip"] if quant_cfg.get("skip") is not None else default)
+    edges = quant_cfg.get("keep_edge_blocks")
+    if edges:
+        patterns += edge_block_patterns(n_layer, edges["first"], edges["last"])
+    return patterns
 
 
 def quantize_model(

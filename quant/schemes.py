@@ -257,7 +257,7 @@ scheme as :data:`SCHEMES` defines it."""
 
 LAYER_KEYS = ("skip", "keep_edge_blocks")
 """Keys of a quant config (configs/quant/) that choose which layers get the scheme, not the scheme:
-read by the trainer (``training.trainer.skip_patterns``, :func:`quant.edge_block_patterns`)."""
+read by :func:`quant.skip_patterns` (and :func:`quant.edge_block_patterns`)."""
 
 
 def scheme_from_config(cfg: Mapping[str, Any]) -> Scheme:

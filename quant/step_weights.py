@@ -51,9 +51,8 @@ def quantized_once(model: nn.Module) -> Iterator[int]:
     yields the number of such layers. Only for the micro-batches of one optimizer step: W must
     not change inside."""
     layers = _cached_layers(model)
-    with torch.no_grad(), torch.autocast(next(model.parameters()).device.type, enabled=False):
-        for layer in layers:
-            layer.step_weight = forward_weight(layer.weight, layer.scheme)
+    for layer in layers:
+        layer.step_weight = forward_weight(layer.weight, layer.scheme)
     try:
         yield len(layers)
     finally:

@@ -16,13 +16,15 @@ Measured on an AMD EPYC with AVX-512 BF16, 2 cores (torch 2.13.0+cpu, 2026-12-07
 kernels; in FP32 with ATen's AVX2 kernels and MKL's AVX2 branch it was 5.5656 to the last bit
 whatever oneDNN's kernels (native, AVX-512, AVX2), MKL's branch and the thread count (1, 2, 3).
 
-:func:`pin` must run before torch is imported (``train.py`` and the tests' conftest call it); a
-variable the user has set is left as it is.
+:func:`pin` must run before torch is imported (``train.py`` calls it first thing); a variable
+the user has set is left as it is.
 """
 
 from __future__ import annotations
 
 import os
+
+from .errors import ConfigError
 
 #: The environment that fixes the CPU kernels: ATen's AVX2 build and MKL's AVX2 branch, in MKL's
 #: strict mode (the same result whatever the alignment of the data).
@@ -39,8 +41,6 @@ def resolve_precision(precision: str, device_type: str) -> str:
     """The arithmetic of a run: ``bf16`` (BF16 autocast, FP32 master weights) or ``fp32``.
     ``auto`` is BF16 on GPUs and FP32 on CPU (see the module docstring)."""
     if precision not in ("auto", "bf16", "fp32"):
-        from .errors import ConfigError
-
         raise ConfigError(f"precision={precision} must be auto, bf16 or fp32. Fix: precision=auto "
                           f"(BF16 autocast on GPUs, FP32 on CPU).")
     if precision == "auto":

@@ -39,6 +39,7 @@ from data.tokenizer import check_vocab
 from model import build_model
 from model.parallel import materialize, parallelize, replays_cuda_graphs
 from quant import backend as quant_backend
+from quant import skip_patterns
 
 from .checkpoint import Checkpointer, CheckpointError, TrainState, check_fingerprint, config_fingerprint, read_extra
 from .config_checks import check_train_config
@@ -54,15 +55,6 @@ from .step import NonFinite, PendingHealth, TrainStep, choose_cuda_graph
 from .stopping import Stops
 from .tracking import NullTracker, Throughput, Tracker
 from .validation import Downstream, Validation
-
-
-def skip_patterns(qcfg: DictConfig, n_layer: int) -> list[str]:
-    """The module patterns a quant config keeps in BF16: ``skip``, and ``keep_edge_blocks``'s first
-    and last blocks (:func:`quant.edge_block_patterns`)."""
-    patterns = list(qcfg.skip)
-    if qcfg.get("keep_edge_blocks"):
-        patterns += quant.edge_block_patterns(n_layer, qcfg.keep_edge_blocks.first, qcfg.keep_edge_blocks.last)
-    return patterns
 
 
 def tokens_text(n: int) -> str:
