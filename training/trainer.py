@@ -175,7 +175,7 @@ class Trainer:
             from quant.kernels import set_tuning, tuning_from_mapping
 
             set_tuning(tuning_from_mapping(cfg.kernels))
-        quant.quantize_model(model, scheme, skip=skip_patterns(cfg.quant, cfg.model.n_layer))
+        quant.quantize_model(model, scheme, skip=skip_patterns(cfg.quant, cfg.model.n_layer, scheme.skip))
         if not scheme.is_identity:  # before any training: NVFP4_BACKEND=native off Blackwell stops here
             try:
                 self.notes.append(quant_backend.describe(self.di.device))
