@@ -235,3 +235,26 @@ def plain_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix:
         if isinstance(v, DTensor) and isinstance(v._local_tensor, NVFP4ShardedWeight):
             state_dict[k] = DTensor.from_local(v._local_tensor.hp, v.device_mesh, v.placements,
                                                run_check=False, shape=v.shape, stride=v.stride())
+
+
+def gathered_bytes(model: nn.Module, shards: int, param_bytes: int, weight_gather: str) -> dict[str, int]:
+    """Bytes of one all-gather of every parameter of ``model`` (a model converted by
+    ``quant.quantize_model``, on any device, meta included) over ``shards`` ranks:
+    ``quantized_linears`` (their weights: 4 bits a value plus an E4M3 scale per 1×16 group or
+    16×16 tile under ``nvfp4`` where :func:`fallback_reason` allows, else ``param_bytes`` a
+    value) and ``other`` (every other parameter, ``param_bytes`` a value). FSDP2 all-gathers
+    each parameter before every forward and again before every backward (``reshard_after_forward``)."""
+    if weight_gather not in WEIGHT_GATHERS:
+        raise ValueError(f"unknown weight_gather {weight_gather!r}; choose one of {WEIGHT_GATHERS}")
+    linear, other = 0, 0
+    quantized = {id(m.weight): m for m in model.modules() if isinstance(m, QuantLinear)}
+    for p in model.parameters():
+        m = quantized.get(id(p))
+        if m is None:
+            other += p.numel() * param_bytes
+        elif weight_gather == "nvfp4" and fallback_reason(m, shards) is None:
+            per_scale = GROUP * GROUP if m.scheme.forward.b.quantizer == "rtn_2d" else GROUP
+            linear += p.numel() // 2 + p.numel() // per_scale
+        else:
+            linear += p.numel() * param_bytes
+    return {"quantized_linears": linear, "other": other}

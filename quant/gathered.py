@@ -41,13 +41,12 @@ class GatheredNVFP4Weight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, tile: str,
-                dtype: torch.dtype, requires_grad: bool = False) -> GatheredNVFP4Weight:
-        shape = (codes.shape[0], codes.shape[1] * 2)
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=codes.device,
-                                                   requires_grad=requires_grad)
+                dtype: torch.dtype, shape=None) -> GatheredNVFP4Weight:
+        shape = (codes.shape[0], codes.shape[1] * 2) if shape is None else shape
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=codes.device)
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, tile: str,
-                 dtype: torch.dtype, requires_grad: bool = False) -> None:
+                 dtype: torch.dtype, shape=None) -> None:
         self.codes, self.scales, self.tensor_scale, self.tile = codes, scales, tensor_scale, tile
 
     @property
@@ -64,13 +63,13 @@ class GatheredNVFP4Weight(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: Any, outer_size, outer_stride):
         tile, dtype = ctx
-        return GatheredNVFP4Weight(inner["codes"], inner["scales"], inner["tensor_scale"], tile, dtype)
+        return GatheredNVFP4Weight(inner["codes"], inner["scales"], inner["tensor_scale"], tile, dtype, outer_size)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         self = args[0]
         if func in _ALIASES and (func in _WHOLE or tuple(args[1]) == tuple(self.shape)):
-            return GatheredNVFP4Weight(self.codes, self.scales, self.tensor_scale, self.tile, self.dtype)
+            return GatheredNVFP4Weight(self.codes, self.scales, self.tensor_scale, self.tile, self.dtype, self.shape)
         raise RuntimeError(
             f"{func} on {self!r}, the FSDP2-gathered weight of a quantized linear: under "
             f"parallel.weight_gather=nvfp4 it holds only its forward NVFP4 form Ŵ, which the "
