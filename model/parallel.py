@@ -28,9 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from quant import QuantLinear
+from quant import QuantLinear, fsdp_gather
 from quant import backend as quant_backend
-from quant import fsdp_gather
 from quant import randomness as quant_randomness
 from quant.randomness import derive_seed
 

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.tokens / (args.batch * args.seq_len)
     print(f"{args.model}: {params:,} parameters; {args.tokens:.3g} tokens = {steps:,.0f} steps of "
           f"{args.batch}×{args.seq_len}\n")
-    print("| GPUs | layout | scheme | weight gather | accum | compute s | comm s | bound | step s | hours | GPU-hours |")
+    print("| GPUs | layout | scheme | weight gather | accum | compute s | comm s | bound | step s | hours | "
+          "GPU-hours |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for gpus in args.gpus:
         for hsdp in (False, True):
