@@ -126,7 +126,8 @@ def quantize_forward_weight(
 ) -> NVFP4Tensor | None:
     """Ŵ: the weight operand of the forward GEMM ``Y = X Ŵᵀ`` exactly as a :class:`QuantLinear`
     under ``scheme`` quantizes it (SPEC §3, the "forward X / W" column; the code path of the
-    layer's forward), or None when the scheme leaves the forward weight in high precision.
+    layer's forward), or None when the scheme leaves the forward weight in high precision. On
+    the kernel backend it is the kernels' packed output, which offers the same ``pack()``.
 
     SPEC §3 quantizes the forward weight deterministically (RTN 1×16, RTN 16×16, with or
     without 4/6; no rotation, no random draw), so Ŵ is a function of ``weight`` alone, and of
@@ -136,7 +137,7 @@ def quantize_forward_weight(
     the whole weight do."""
     delayed = None if delayed_amax is None else delayed_amax.detach().clone()
     _, q = _quantize(Factor(weight.detach()), scheme.forward.b, None, None, None, delayed,
-                     _AMAX_SLOT["forward", "b"], amax=amax)
+                     _AMAX_SLOT["forward", "b"], pack=True, amax=amax)
     return q
 
 
