@@ -8,7 +8,9 @@
 2. ``torch.compile`` per block;
 3. FSDP2 ``fully_shard`` per block, then on the root, with a mixed-precision policy (BF16
    parameters, FP32 gradient reduction) when training in BF16. A 2-D mesh
-   ``(replicate, shard)`` gives HSDP: replicate across nodes, shard within a node.
+   ``(replicate, shard)`` gives HSDP: replicate across nodes, shard within a node. With
+   ``weight_gather="nvfp4"`` the quantized linears' weights travel as their forward NVFP4 form
+   (:mod:`quant.fsdp_gather`), bit-identical to gathering them in BF16.
 
 :func:`materialize` then allocates the (sharded) parameters on the device and initialises them
 with :func:`init_parameters`: each parameter is generated whole from its own seeded generator and
@@ -26,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from quant import QuantLinear
+from quant import QuantLinear, fsdp_gather
 from quant import backend as quant_backend
 from quant import randomness as quant_randomness
 from quant.randomness import derive_seed
@@ -77,13 +79,25 @@ def apply_compile(model: nn.Module, mode: str = "default") -> None:
         model.blocks[i] = torch.compile(block, mode=mode)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, bf16_params: bool, reshard_after_forward: bool = True) -> None:
-    """FSDP2 on every block, then on the root (embedding, final norm, lm_head)."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, bf16_params: bool, reshard_after_forward: bool = True,
+               weight_gather: str = "bf16") -> list[str]:
+    """FSDP2 on every block, then on the root (embedding, final norm, lm_head). With
+    ``weight_gather="nvfp4"``, the quantized linears that can all-gather their forward Ŵ do
+    (:func:`quant.fsdp_gather.install`); returns a line for each that cannot, naming it."""
+    if weight_gather not in fsdp_gather.WEIGHT_GATHERS:
+        raise ValueError(f"unknown parallel.weight_gather {weight_gather!r}; choose one of "
+                         f"{fsdp_gather.WEIGHT_GATHERS}")
+    lines = []
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params
           else MixedPrecisionPolicy())
+    if weight_gather == "nvfp4":
+        for name, why in fsdp_gather.install(model, mesh.size(mesh.ndim - 1), mp.param_dtype):
+            lines.append(f"weight_gather=nvfp4: {canonical_name(name)} is all-gathered in BF16: {why}")
+        model._register_state_dict_hook(fsdp_gather.plain_state_dict_hook)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return lines
 
 
 def parallelize(
@@ -95,11 +109,15 @@ def parallelize(
     compile: bool = False,
     compile_mode: str = "default",
     bf16_params: bool = True,
-) -> nn.Module:
-    """Apply activation checkpointing, compile and FSDP2 in that order (see module docstring).
+    weight_gather: str = "bf16",
+) -> list[str]:
+    """Apply activation checkpointing, compile and FSDP2 in that order (see module docstring);
+    returns lines for the run's log (:func:`apply_fsdp`).
 
     ``mesh=None`` (one process) skips FSDP. ``compile_mode`` is ``torch.compile``'s mode; the
-    CUDA-graph modes (:data:`CUDA_GRAPH_MODES`) serve one process only.
+    CUDA-graph modes (:data:`CUDA_GRAPH_MODES`) serve one process only. ``weight_gather``: what
+    FSDP2 all-gathers of a quantized linear's weight, ``bf16`` (W in the parameter dtype) or
+    ``nvfp4`` (its forward Ŵ, :mod:`quant.fsdp_gather`).
     """
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile_mode {compile_mode!r}; choose one of {COMPILE_MODES}")
@@ -112,9 +130,9 @@ def parallelize(
     apply_activation_checkpointing(model, activation_checkpointing, ac_every)
     if compile:
         apply_compile(model, compile_mode)
-    if mesh is not None:
-        apply_fsdp(model, mesh, bf16_params)
-    return model
+    if mesh is None:
+        return []
+    return apply_fsdp(model, mesh, bf16_params, weight_gather=weight_gather)
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ from torch import nn
 from . import backend, randomness
 from .factor import Factor
 from .format import GROUP, NVFP4Tensor, PackedNVFP4
+from .gathered import GatheredNVFP4Weight
 from .hadamard import random_signs, rotate
 from .quantizers import amax_of, quantize_ms_eden, quantize_rtn, quantize_rtn_2d, quantize_sr
 from .randomness import PhiloxStream
@@ -81,8 +82,11 @@ def _quantize(
     delayed: torch.Tensor | None,
     slot: int,
     pack: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> tuple[Factor, NVFP4Tensor | None]:
     """Rotate (if ``signs``) and quantize one operand along its last dim, drawing from ``rng``.
+    ``amax``: the tensor amax when the caller knows it (a shard of a tensor whose amax was
+    all-reduced, :mod:`quant.fsdp_gather`), else the operand's own (or its delayed one).
 
     On the Triton backend (:mod:`quant.backend`) the fused kernels do it (same draws; the
     packed form is produced in the same pass when ``pack``)."""
@@ -93,13 +97,14 @@ def _quantize(
     if type(src) is not Factor or backend.use_triton(src.values, family):
         from .kernels.dispatch import quantize_factor
 
-        return quantize_factor(src, op, signs, rng, rotation, delayed, slot, pack)
+        return quantize_factor(src, op, signs, rng, rotation, delayed, slot, pack, amax)
     x = src.dense()
     if signs is not None:
         x = rotate(x, signs)
     if op.quantizer == "none":
         return Factor(x), None
-    amax = None if op.posthoc else _amax(x, delayed, slot)  # post hoc alignment needs no amax
+    if amax is None and not op.posthoc:  # post hoc alignment needs no amax
+        amax = _amax(x, delayed, slot)
     if op.quantizer == "rtn":
         q = quantize_rtn(x, four_over_six=op.four_over_six, amax=amax)
     elif op.quantizer == "rtn_2d":
@@ -116,19 +121,23 @@ def _quantize(
 
 
 def quantize_forward_weight(
-    weight: torch.Tensor, scheme: Scheme, delayed_amax: torch.Tensor | None = None
+    weight: torch.Tensor, scheme: Scheme, delayed_amax: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> NVFP4Tensor | None:
     """Ŵ: the weight operand of the forward GEMM ``Y = X Ŵᵀ`` exactly as a :class:`QuantLinear`
     under ``scheme`` quantizes it (SPEC §3, the "forward X / W" column; the code path of the
-    layer's forward), or None when the scheme leaves the forward weight in high precision.
+    layer's forward), or None when the scheme leaves the forward weight in high precision. On
+    the kernel backend it is the kernels' packed output, which offers the same ``pack()``.
 
     SPEC §3 quantizes the forward weight deterministically (RTN 1×16, RTN 16×16, with or
     without 4/6; no rotation, no random draw), so Ŵ is a function of ``weight`` alone, and of
     the layer's ``delayed_amax`` buffer under the delayed-amax ablation, which is read here and
-    not updated."""
+    not updated. ``amax``: the amax of the whole weight when ``weight`` is a block of its rows
+    (the tensor scale of SPEC §2 is the whole tensor's), which then quantizes as those rows of
+    the whole weight do."""
     delayed = None if delayed_amax is None else delayed_amax.detach().clone()
     _, q = _quantize(Factor(weight.detach()), scheme.forward.b, None, None, None, delayed,
-                     _AMAX_SLOT["forward", "b"])
+                     _AMAX_SLOT["forward", "b"], pack=True, amax=amax)
     return q
 
 
@@ -399,7 +408,8 @@ class QuantLinear(nn.Linear):
             self.register_buffer("delayed_amax", torch.zeros(6, device=device))
         else:
             self.delayed_amax = None
-        # The forward's Ŵ while an optimizer step runs (quant.step_weights), else None.
+        # The forward's Ŵ while an optimizer step runs (quant.step_weights), else None. Under
+        # FSDP2 with parallel.weight_gather=nvfp4 the gathered weight is Ŵ (quant.fsdp_gather).
         self.step_weight: PackedNVFP4 | None = None
 
     def reset_buffers(self) -> None:
@@ -412,7 +422,9 @@ class QuantLinear(nn.Linear):
         tokens = x.numel() // x.shape[-1]
         if tokens % token_multiple(self.scheme):  # the name only here: compiled blocks don't guard it
             check_token_count(self.layer_name, tokens, self.scheme)
-        y = quantized_linear(x, self.weight, self.scheme, self.layer_ids, self.delayed_amax, self.step_weight)
+        w = self.weight
+        step_weight = w.packed if isinstance(w, GatheredNVFP4Weight) else self.step_weight
+        y = quantized_linear(x, w, self.scheme, self.layer_ids, self.delayed_amax, step_weight)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -9,9 +9,11 @@ micro-batch. The backward reads the same Ŵ where the scheme says so (nvidia's d
 and quartet2 rotate and re-quantize it stochastically, with draws of each micro-step, so that
 quantization stays per micro-batch).
 
-Not cached: layers under ``delayed_amax`` (their forward's tensor scale is the previous call's
-amax, which changes after the first micro-batch), and FSDP-sharded weights (outside a block's
-forward a rank holds only its shard).
+Not cached here: layers under ``delayed_amax`` (their forward's tensor scale is the previous
+call's amax, which changes after the first micro-batch), and FSDP-sharded weights (outside a
+block's forward a rank holds only its shard). Those that FSDP2 all-gathers as Ŵ
+(``parallel.weight_gather=nvfp4``) are quantized once per step as shards instead
+(:mod:`quant.fsdp_gather`), which :func:`quantized_once` starts with one all-reduce.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from . import fsdp_gather
 from .format import PackedNVFP4
 from .linear import QuantLinear, quantize_forward_weight
 from .schemes import Scheme
@@ -49,7 +52,9 @@ def _cached_layers(model: nn.Module) -> list[QuantLinear]:
 def quantized_once(model: nn.Module) -> Iterator[int]:
     """Within the block, each cached layer of ``model`` computes with the Ŵ quantized on entry;
     yields the number of such layers. Only for the micro-batches of one optimizer step: W must
-    not change inside."""
+    not change inside. The shards that FSDP2 gathers as Ŵ are quantized on entry too
+    (:func:`quant.fsdp_gather.refresh_model`)."""
+    fsdp_gather.refresh_model(model)
     layers = _cached_layers(model)
     for layer in layers:
         layer.step_weight = forward_weight(layer.weight, layer.scheme)

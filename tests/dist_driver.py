@@ -2,10 +2,13 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_driver.py SPEC.json
 
-SPEC holds ``{"runs": [{"overrides": [...], "exit_after_checkpoint": k or null}, ...]}``. Each run
-composes configs/train.yaml with its overrides and trains in the shared process group. With
-``exit_after_checkpoint`` every rank dies abruptly (``os._exit``) right after the checkpoint of
-step k is complete: a job killed between steps, with no clean-up.
+SPEC holds ``{"runs": [{"overrides": [...], "exit_after_checkpoint": k or null,
+"count_collectives": bool}, ...]}``. Each run composes configs/train.yaml with its overrides and
+trains in the shared process group. With ``exit_after_checkpoint`` every rank dies abruptly
+(``os._exit``) right after the checkpoint of step k is complete: a job killed between steps,
+with no clean-up. With ``count_collectives`` each rank writes the bytes its training steps'
+collectives moved (training/comm_bytes.py), summed over the steps, to
+``<run_dir>/collectives-rank<r>.json``.
 """
 
 import json
@@ -18,7 +21,8 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-from training import checkpoint, trainer
+from training import checkpoint, step, trainer
+from training.comm_bytes import CollectiveBytes
 from training.distributed import barrier, init_distributed, shutdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +40,16 @@ def _exiting_after(save: Callable[..., Any], kill_at: int) -> Callable[..., Any]
     return save_then_die
 
 
+def _counting(call: Callable[..., Any], counter: CollectiveBytes) -> Callable[..., Any]:
+    """``TrainStep.__call__`` with its collectives counted by ``counter``."""
+
+    def counted(self: step.TrainStep, *args: Any, **kwargs: Any) -> Any:
+        with counter:
+            return call(self, *args, **kwargs)
+
+    return counted
+
+
 def main() -> None:
     torch.set_num_threads(1)
     spec = json.loads(Path(sys.argv[1]).read_text())
@@ -46,7 +60,15 @@ def main() -> None:
         kill_at = run.get("exit_after_checkpoint")
         if kill_at is not None:
             checkpoint.Checkpointer.save = _exiting_after(checkpoint.Checkpointer.save, kill_at)
+        plain_step = step.TrainStep.__call__
+        counter = CollectiveBytes()
+        if run.get("count_collectives"):
+            step.TrainStep.__call__ = _counting(plain_step, counter)
         trainer.train(cfg, di)
+        step.TrainStep.__call__ = plain_step
+        if run.get("count_collectives"):
+            out = Path(cfg.run_dir) / f"collectives-rank{di.rank}.json"
+            out.write_text(json.dumps({"bytes": counter.bytes, "calls": counter.calls}))
     barrier()  # as trainer.run: every rank is done before any tears the process group down
     shutdown()
 

@@ -153,3 +153,85 @@ def test_async_checkpoints_resume_exactly(tmp_path, compose_train, data_cache):
     trainer.run(compose_train(_overrides(part, data_cache, *extra)))
     assert "resuming at step 2" in (part / "train.log").read_text()
     assert losses(part) == losses(whole)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    """The metrics rows without timings (the numbers a run's arithmetic decides)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "time/"))} for r in rows]
+
+
+def _final_state(run_dir: Path, tmp_path: Path) -> dict:
+    """Model and optimizer state of a run's last checkpoint, consolidated."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    (ckpt,) = sorted((run_dir / "checkpoints").glob("step_*"))[-1:]
+    out = tmp_path / f"{run_dir.name}.pt"
+    dcp_to_torch_save(ckpt, out)
+    return torch.load(out, weights_only=False)
+
+
+def _flat_tensors(state, prefix=""):
+    if isinstance(state, dict):
+        for k, v in state.items():
+            yield from _flat_tensors(v, f"{prefix}{k}.")
+    elif isinstance(state, torch.Tensor):
+        yield prefix, state
+
+
+QUANTIZED = [s for s in SCHEMES if s != "bf16"]
+
+
+def test_nvfp4_weight_gather_is_bit_identical_to_bf16_gather(tmp_path, data_cache):
+    """parallel.weight_gather=nvfp4 (quant/fsdp_gather.py) against bf16, on 2 ranks: 20 steps of
+    2 micro-batches per rank, every quantized scheme: the same losses, gradient norms and
+    validation losses to the bit, and the same final weights and optimizer state."""
+    extra = ("precision=fp32", "train.steps=20", "train.eval_every=10", "train.ckpt_every=20")
+    runs = [{"overrides": _overrides(tmp_path / f"{s}-{g}", data_cache, f"quant={s}", f"parallel.weight_gather={g}",
+                                     *extra)}
+            for s in QUANTIZED for g in ("bf16", "nvfp4")]
+    torchrun(tmp_path, runs)
+    for s in QUANTIZED:
+        a, b = tmp_path / f"{s}-bf16", tmp_path / f"{s}-nvfp4"
+        rows = _metrics(a)
+        assert rows == _metrics(b), s
+        assert sum("train/grad_norm" in r for r in rows) == 20 and sum("val/loss" in r for r in rows) == 3
+        sa, sb = dict(_flat_tensors(_final_state(a, tmp_path))), dict(_flat_tensors(_final_state(b, tmp_path)))
+        assert sa.keys() == sb.keys() and any("qkv" in k for k in sa)
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), s
+        assert "all-gathered in BF16" not in (b / "train.log").read_text()
+
+
+def test_nvfp4_weight_gather_moves_3_3x_fewer_bytes(tmp_path, data_cache):
+    """The bytes each rank all-gathers per step (training/comm_bytes.py, counted as c10d runs
+    them) are what quant.fsdp_gather.gathered_bytes predicts, and the quantized linears' weights
+    move ≥ 3.3× fewer bytes in NVFP4 than in BF16 (16 bits a value against 4.5, or 4.03 with
+    nvidia's 16×16 tiles). A layer that cannot gather Ŵ (delayed_amax) is named in the log."""
+    import yaml
+
+    import quant
+    from model import build_model
+    from quant.fsdp_gather import gathered_bytes
+
+    steps, accum = 2, 2  # 8 sequences per step, 2 per micro-batch, 2 ranks
+    runs = [{"overrides": _overrides(tmp_path / f"{s}-{g}", data_cache, f"quant={s}", f"parallel.weight_gather={g}",
+                                     "precision=bf16", f"train.steps={steps}"), "count_collectives": True}
+            for s in ("quartet2", "nvidia") for g in ("bf16", "nvfp4")]
+    runs.append({"overrides": _overrides(tmp_path / "delayed", data_cache, "quant=nvidia", "quant.delayed_amax=true",
+                                         "precision=bf16", "train.steps=1")})
+    torchrun(tmp_path, runs)
+    preset = yaml.safe_load((REPO / "configs" / "model" / "tiny.yaml").read_text())
+    for s, bits in (("quartet2", 4.5), ("nvidia", 4 + 8 / 256)):
+        model = quant.quantize_model(build_model(preset, device="meta"), s)
+        measured, linear = {}, {}
+        for g in ("bf16", "nvfp4"):
+            for rank in (0, 1):
+                counted = json.loads((tmp_path / f"{s}-{g}" / f"collectives-rank{rank}.json").read_text())
+                measured[g] = counted["bytes"]["all_gather"] / steps
+                expected = gathered_bytes(model, 2, 2, g)
+                assert measured[g] == 2 * accum * sum(expected.values()), (s, g, rank)
+            linear[g] = measured[g] - 2 * accum * expected["other"]
+        assert linear["bf16"] / linear["nvfp4"] >= 3.3
+        assert linear["bf16"] / linear["nvfp4"] == pytest.approx(16 / bits)
+    log = (tmp_path / "delayed" / "train.log").read_text()
+    assert "weight_gather=nvfp4: blocks.0.attn.qkv is all-gathered in BF16: delayed_amax" in log

@@ -805,6 +805,25 @@ def test_function_matches_reference(name, kw):
         assert torch.equal(_bits(r), _bits(o)), f"{name}: {what} differs"
 
 
+@pytest.mark.parametrize("name", ["nvidia", "four_over_six", "tetrajet_v2", "quartet2"])
+def test_forward_weight_matches_reference(name):
+    """``quant.linear.quantize_forward_weight`` (the Ŵ that quant/step_weights.py quantizes once
+    per step, and quant/fsdp_gather.py per shard with the whole weight's amax) on the kernels
+    packs the reference's codes, scales and tensor scale, with and without a given amax."""
+    from quant.linear import quantize_forward_weight
+
+    scheme = quant.get_scheme(name)
+    w = torch.randn(64, 160, generator=torch.Generator().manual_seed(21)).to(DEV) * 0.05
+    for amax in (None, torch.tensor(0.5, device=DEV)):
+        with backend.use_backend("reference"):
+            ref = quantize_forward_weight(w, scheme, amax=amax).pack()
+        with backend.use_backend("triton"):
+            out = quantize_forward_weight(w, scheme, amax=amax).pack()
+        assert torch.equal(out.data, ref.data) and out.tile == ref.tile
+        assert torch.equal(out.scales.view(torch.uint8), ref.scales.view(torch.uint8))
+        assert torch.equal(out.tensor_scale.float(), ref.tensor_scale.float())
+
+
 @pytest.mark.parametrize("name", ["nvidia", "quartet2"])
 @pytest.mark.parametrize("where", ["nan_in_e", "inf_in_x"])
 def test_function_non_finite_matches_reference(name, where):

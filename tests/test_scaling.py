@@ -37,3 +37,17 @@ def test_parameter_count_of_a_preset():
     tiny = {"vocab_size": 64, "n_layer": 1, "d_model": 32, "n_head": 2, "mlp_hidden": 64, "max_seq_len": 16}
     # embedding + lm_head 2·64·32, qkv 32·96, proj 32·32, up_gate 32·128, down 64·32, 3 norms of 32
     assert parameter_count(tiny) == 2 * 64 * 32 + 32 * 96 + 32 * 32 + 32 * 128 + 64 * 32 + 3 * 32
+
+
+def test_the_nvfp4_gather_moves_the_block_linears_in_4_5_bits():
+    from analysis.scaling import gather_bytes
+
+    tiny = {"vocab_size": 64, "n_layer": 1, "d_model": 128, "n_head": 2, "mlp_hidden": 256, "max_seq_len": 16}
+    linears = 128 * 384 + 128 * 128 + 128 * 512 + 256 * 128
+    bf16, nvfp4 = (gather_bytes(tiny, "quartet2", g, 8) for g in ("bf16", "nvfp4"))
+    assert bf16 == {"quantized_linears": 2 * linears, "other": 2 * (2 * 64 * 128 + 3 * 128)}
+    assert nvfp4 == {"quantized_linears": linears * 9 // 16, "other": bf16["other"]}
+    assert gather_bytes(tiny, "nvidia", "nvfp4", 8)["quantized_linears"] == linears // 2 + linears // 256
+    s = step(1000, 1e4, gpus=8, gpus_per_node=8, batch=512, seq_len=512, micro_batch=32, links=LINKS, hsdp=False,
+             gather=sum(nvfp4.values()))
+    assert s.gathered_bytes == pytest.approx(2 * 2 * sum(nvfp4.values()) * 7 / 8)

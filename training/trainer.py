@@ -222,8 +222,9 @@ class Trainer:
         """Parallelize and materialize the model, build AdamW, and restore a checkpoint's state."""
         cfg, di, model = self.cfg, self.di, self.model
         p = cfg.parallel
-        parallelize(model, di.mesh, activation_checkpointing=p.activation_checkpointing, ac_every=p.ac_every,
-                    compile=cfg.compile, compile_mode=cfg.compile_mode, bf16_params=self.autocast)
+        self.notes += parallelize(model, di.mesh, activation_checkpointing=p.activation_checkpointing,
+                                  ac_every=p.ac_every, compile=cfg.compile, compile_mode=cfg.compile_mode,
+                                  bf16_params=self.autocast, weight_gather=p.weight_gather)
         materialize(model, di.device, cfg.seed)
         o = cfg.optim
         self.optimizer = build_adamw(model, o.lr, o.betas, o.weight_decay, o.eps)

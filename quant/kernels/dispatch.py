@@ -62,8 +62,9 @@ def saved_factor(packed: PackedNVFP4):
     return PackedFactor(packed)
 
 
-def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: bool):
-    """Rotate (if ``signs``) and quantize one operand along its last dim with the kernels.
+def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: bool, amax=None):
+    """Rotate (if ``signs``) and quantize one operand along its last dim with the kernels;
+    ``amax``: the operand's tensor amax when the caller knows it (``quant.linear._quantize``).
 
     Returns ``(factor, quantized)`` like ``quant.linear._quantize``; ``quantized`` offers
     ``pack()`` when ``pack`` is set, else is None.
@@ -99,8 +100,7 @@ def quantize_factor(src, op, signs, rng, rotation, delayed, slot: int, pack: boo
     # that produced the operand (an RMSNorm, SwiGLU, the weight's cast) instead of reading it
     # once more (max is exact in any order, so the bits are the amax pass's).
     compiling = torch.compiler.is_compiling()
-    amax = None
-    if (compiling and kind == ops.SRC_DENSE and signs is None and in_scale is None
+    if (amax is None and compiling and kind == ops.SRC_DENSE and signs is None and in_scale is None
             and not op.posthoc and x.numel()):  # (amax of an empty tensor is an error)
         amax = x.abs().amax()
     call = dict(x=x, mode=op.quantizer, x_scales=x_scales, src=kind, transpose=transpose,
