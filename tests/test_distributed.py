@@ -235,3 +235,20 @@ def test_nvfp4_weight_gather_moves_3_3x_fewer_bytes(tmp_path, data_cache):
         assert linear["bf16"] / linear["nvfp4"] == pytest.approx(16 / bits)
     log = (tmp_path / "delayed" / "train.log").read_text()
     assert "weight_gather=nvfp4: blocks.0.attn.qkv is all-gathered in BF16: delayed_amax" in log
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme,compile", [("quartet2", "true"), ("nvidia", "false")])
+def test_nvfp4_weight_gather_on_a_gpu_matches_bf16_gather(tmp_path, data_cache, scheme, compile):
+    """train.py under torchrun on one GPU with FSDP2 (``parallel.fsdp=true``), the kernels, NCCL
+    and (quartet2) compiled blocks: weight_gather=nvfp4 trains the same bits as bf16."""
+    for g in ("bf16", "nvfp4"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py",
+               f"run_dir={tmp_path / g}", f"data.cache_dir={data_cache}", "wandb.enabled=false", f"quant={scheme}",
+               "train.steps=12", "train.batch_size=16", "train.micro_batch_size=8", "train.log_every=1",
+               "train.eval_every=6", "parallel.fsdp=true", f"compile={compile}", f"parallel.weight_gather={g}"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _metrics(tmp_path / "bf16")
+    assert rows == _metrics(tmp_path / "nvfp4") and sum("train/loss" in r for r in rows) == 12
