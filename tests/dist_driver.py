@@ -3,11 +3,11 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_driver.py SPEC.json
 
 SPEC holds ``{"runs": [{"overrides": [...], "exit_after_checkpoint": k or null,
-"count_collectives": bool}, ...]}``. Each run composes configs/train.yaml with its overrides and
+"count_collectives": k or null}, ...]}``. Each run composes configs/train.yaml with its overrides and
 trains in the shared process group. With ``exit_after_checkpoint`` every rank dies abruptly
 (``os._exit``) right after the checkpoint of step k is complete: a job killed between steps,
-with no clean-up. With ``count_collectives`` each rank writes the bytes its training steps'
-collectives moved (training/comm_bytes.py), summed over the steps, to
+with no clean-up. With ``count_collectives`` each rank writes the bytes that the collectives of
+its first k training steps moved (training/comm_bytes.py), summed, to
 ``<run_dir>/collectives-rank<r>.json``.
 """
 
@@ -40,10 +40,14 @@ def _exiting_after(save: Callable[..., Any], kill_at: int) -> Callable[..., Any]
     return save_then_die
 
 
-def _counting(call: Callable[..., Any], counter: CollectiveBytes) -> Callable[..., Any]:
-    """``TrainStep.__call__`` with its collectives counted by ``counter``."""
+def _counting(call: Callable[..., Any], counter: CollectiveBytes, steps: int) -> Callable[..., Any]:
+    """``TrainStep.__call__`` with the collectives of its first ``steps`` calls counted by ``counter``."""
+    calls = [0]
 
     def counted(self: step.TrainStep, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > steps:
+            return call(self, *args, **kwargs)
         with counter:
             return call(self, *args, **kwargs)
 
@@ -63,7 +67,7 @@ def main() -> None:
         plain_step = step.TrainStep.__call__
         counter = CollectiveBytes()
         if run.get("count_collectives"):
-            step.TrainStep.__call__ = _counting(plain_step, counter)
+            step.TrainStep.__call__ = _counting(plain_step, counter, run["count_collectives"])
         trainer.train(cfg, di)
         step.TrainStep.__call__ = plain_step
         if run.get("count_collectives"):

@@ -180,60 +180,69 @@ def _flat_tensors(state, prefix=""):
 
 
 QUANTIZED = [s for s in SCHEMES if s != "bf16"]
+GATHER_STEPS, COUNTED_STEPS, ACCUM = 20, 2, 2  # 8 sequences per step, 2 per micro-batch, 2 ranks
 
 
-def test_nvfp4_weight_gather_is_bit_identical_to_bf16_gather(tmp_path, data_cache):
-    """parallel.weight_gather=nvfp4 (quant/fsdp_gather.py) against bf16, on 2 ranks: 20 steps of
-    2 micro-batches per rank, every quantized scheme: the same losses, gradient norms and
-    validation losses to the bit, and the same final weights and optimizer state."""
-    extra = ("precision=fp32", "train.steps=20", "train.eval_every=10", "train.ckpt_every=20")
-    runs = [{"overrides": _overrides(tmp_path / f"{s}-{g}", data_cache, f"quant={s}", f"parallel.weight_gather={g}",
-                                     *extra)}
+@pytest.fixture(scope="module")
+def gather_runs(tmp_path_factory, data_cache) -> Path:
+    """Every quantized scheme under weight_gather=bf16 and =nvfp4 on 2 gloo ranks (one torchrun):
+    20 steps in BF16, the collectives of the first 2 counted; and 1 step of nvidia under
+    delayed_amax, whose weights cannot travel as Ŵ."""
+    tmp = tmp_path_factory.mktemp("gather")
+    extra = ("precision=bf16", f"train.steps={GATHER_STEPS}", "train.eval_every=10", "train.ckpt_every=20")
+    runs = [{"overrides": _overrides(tmp / f"{s}-{g}", data_cache, f"quant={s}", f"parallel.weight_gather={g}",
+                                     *extra), "count_collectives": COUNTED_STEPS}
             for s in QUANTIZED for g in ("bf16", "nvfp4")]
-    torchrun(tmp_path, runs)
-    for s in QUANTIZED:
-        a, b = tmp_path / f"{s}-bf16", tmp_path / f"{s}-nvfp4"
-        rows = _metrics(a)
-        assert rows == _metrics(b), s
-        assert sum("train/grad_norm" in r for r in rows) == 20 and sum("val/loss" in r for r in rows) == 3
-        sa, sb = dict(_flat_tensors(_final_state(a, tmp_path))), dict(_flat_tensors(_final_state(b, tmp_path)))
-        assert sa.keys() == sb.keys() and any("qkv" in k for k in sa)
-        assert all(torch.equal(sa[k], sb[k]) for k in sa), s
-        assert "all-gathered in BF16" not in (b / "train.log").read_text()
+    runs.append({"overrides": _overrides(tmp / "delayed", data_cache, "quant=nvidia", "quant.delayed_amax=true",
+                                         "precision=bf16", "train.steps=1")})
+    torchrun(tmp, runs)
+    return tmp
 
 
-def test_nvfp4_weight_gather_moves_3_3x_fewer_bytes(tmp_path, data_cache):
+@pytest.mark.parametrize("scheme", QUANTIZED)
+def test_nvfp4_weight_gather_is_bit_identical_to_bf16_gather(gather_runs, tmp_path, scheme):
+    """parallel.weight_gather=nvfp4 (quant/fsdp_gather.py) against bf16, on 2 ranks: 20 steps of
+    2 micro-batches per rank: the same losses, gradient norms and validation losses to the bit,
+    and the same final weights and optimizer state."""
+    a, b = gather_runs / f"{scheme}-bf16", gather_runs / f"{scheme}-nvfp4"
+    rows = _metrics(a)
+    assert rows == _metrics(b)
+    assert sum("train/grad_norm" in r for r in rows) == GATHER_STEPS and sum("val/loss" in r for r in rows) == 3
+    sa, sb = dict(_flat_tensors(_final_state(a, tmp_path))), dict(_flat_tensors(_final_state(b, tmp_path)))
+    assert sa.keys() == sb.keys() and any("qkv" in k for k in sa)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert "all-gathered in BF16" not in (b / "train.log").read_text()
+
+
+@pytest.mark.parametrize("scheme,bits", [("quartet2", 4.5), ("tetrajet_v2", 4.5), ("nvidia", 4 + 8 / 256),
+                                         ("four_over_six", 4 + 8 / 256)])
+def test_nvfp4_weight_gather_moves_3_3x_fewer_bytes(gather_runs, scheme, bits):
     """The bytes each rank all-gathers per step (training/comm_bytes.py, counted as c10d runs
     them) are what quant.fsdp_gather.gathered_bytes predicts, and the quantized linears' weights
     move ≥ 3.3× fewer bytes in NVFP4 than in BF16 (16 bits a value against 4.5, or 4.03 with
-    nvidia's 16×16 tiles). A layer that cannot gather Ŵ (delayed_amax) is named in the log."""
+    16×16 tiles)."""
     import yaml
 
     import quant
     from model import build_model
     from quant.fsdp_gather import gathered_bytes
 
-    steps, accum = 2, 2  # 8 sequences per step, 2 per micro-batch, 2 ranks
-    runs = [{"overrides": _overrides(tmp_path / f"{s}-{g}", data_cache, f"quant={s}", f"parallel.weight_gather={g}",
-                                     "precision=bf16", f"train.steps={steps}"), "count_collectives": True}
-            for s in ("quartet2", "nvidia") for g in ("bf16", "nvfp4")]
-    runs.append({"overrides": _overrides(tmp_path / "delayed", data_cache, "quant=nvidia", "quant.delayed_amax=true",
-                                         "precision=bf16", "train.steps=1")})
-    torchrun(tmp_path, runs)
     preset = yaml.safe_load((REPO / "configs" / "model" / "tiny.yaml").read_text())
-    for s, bits in (("quartet2", 4.5), ("nvidia", 4 + 8 / 256)):
-        model = quant.quantize_model(build_model(preset, device="meta"), s)
-        measured, linear = {}, {}
-        for g in ("bf16", "nvfp4"):
-            for rank in (0, 1):
-                counted = json.loads((tmp_path / f"{s}-{g}" / f"collectives-rank{rank}.json").read_text())
-                measured[g] = counted["bytes"]["all_gather"] / steps
-                expected = gathered_bytes(model, 2, 2, g)
-                assert measured[g] == 2 * accum * sum(expected.values()), (s, g, rank)
-            linear[g] = measured[g] - 2 * accum * expected["other"]
-        assert linear["bf16"] / linear["nvfp4"] >= 3.3
-        assert linear["bf16"] / linear["nvfp4"] == pytest.approx(16 / bits)
-    log = (tmp_path / "delayed" / "train.log").read_text()
+    model = quant.quantize_model(build_model(preset, device="meta"), scheme)
+    measured, linear = {}, {}
+    for g in ("bf16", "nvfp4"):
+        expected = gathered_bytes(model, 2, 2, g)
+        for rank in (0, 1):
+            counted = json.loads((gather_runs / f"{scheme}-{g}" / f"collectives-rank{rank}.json").read_text())
+            measured[g] = counted["bytes"]["all_gather"] / COUNTED_STEPS
+            assert measured[g] == 2 * ACCUM * sum(expected.values()), (g, rank)
+        linear[g] = measured[g] - 2 * ACCUM * expected["other"]
+    assert linear["bf16"] / linear["nvfp4"] >= 3.3
+    assert linear["bf16"] / linear["nvfp4"] == pytest.approx(16 / bits)
+
+
+def test_a_layer_that_cannot_gather_w_hat_is_named(gather_runs):
+    log = (gather_runs / "delayed" / "train.log").read_text()
     assert "weight_gather=nvfp4: blocks.0.attn.qkv is all-gathered in BF16: delayed_amax" in log
 
 
