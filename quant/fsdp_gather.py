@@ -80,6 +80,7 @@ class NVFP4ShardedWeight(torch.Tensor):
                  quantized: _Quantized | None = None) -> None:
         self.hp, self.scheme, self.gather_dtype = hp, scheme, gather_dtype
         self._q = quantized or _Quantized()
+        self.group: dist.ProcessGroup | None = None  # FSDP2's shard group, from its first all-gather
 
     def __repr__(self) -> str:
         return f"NVFP4ShardedWeight({self.hp!r}, scheme={self.scheme.name})"
@@ -129,7 +130,8 @@ class NVFP4ShardedWeight(torch.Tensor):
         if mp_policy.param_dtype not in (None, self.gather_dtype):
             raise ValueError(f"{self!r} was made for FSDP2 gathers in {self.gather_dtype}, not in "
                              f"{mp_policy.param_dtype}: install it with the module's mixed-precision policy")
-        q = self.quantized(mesh.get_group())
+        self.group = mesh.get_group()
+        q = self.quantized(self.group)
         return (q.data, q.scales), (q.tensor_scale, q.tile)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -138,7 +140,8 @@ class NVFP4ShardedWeight(torch.Tensor):
         if out is not None:  # FSDP2 gathered into the storage of the weight it built before;
             out.tensor_scale = tensor_scale.clone()  # a new one: the old may be saved for backward
             return None
-        return GatheredNVFP4Weight(codes, scales, tensor_scale.clone(), tile, param_dtype), (codes, scales)
+        w = GatheredNVFP4Weight(codes, scales, tensor_scale.clone(), tile, param_dtype, self.scheme.forward.b, self)
+        return w, (codes, scales)
 
 
 def _flat(args: Any) -> Iterable[Any]:

@@ -422,13 +422,23 @@ class QuantLinear(nn.Linear):
         tokens = x.numel() // x.shape[-1]
         if tokens % token_multiple(self.scheme):  # the name only here: compiled blocks don't guard it
             check_token_count(self.layer_name, tokens, self.scheme)
-        w = self.weight
-        step_weight = w.packed if isinstance(w, GatheredNVFP4Weight) else self.step_weight
+        w, step_weight = self.weight, self.step_weight
+        if isinstance(w, GatheredNVFP4Weight):  # FSDP2 gathered Ŵ (quant.fsdp_gather)
+            if w.serves(self.scheme.forward.b):
+                step_weight = w.packed
+            else:  # this layer's GEMMs now read W itself (a precision switch, BF16 validation)
+                w = _whole_weight(w)
         y = quantized_linear(x, w, self.scheme, self.layer_ids, self.delayed_amax, step_weight)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scheme={self.scheme.name}, layer={self.layer_index}"
+
+
+@torch.compiler.disable
+def _whole_weight(w: GatheredNVFP4Weight) -> torch.Tensor:
+    """W from an NVFP4-gathered weight's shards (a collective: outside compiled graphs)."""
+    return w.whole()
 
 
 def edge_block_patterns(n_layer: int, first: int = 2, last: int = 8, prefix: str = "blocks") -> list[str]:

@@ -75,9 +75,12 @@ def test_a_write_to_a_shard_or_its_view_makes_it_stale():
 
 
 def test_the_gathered_weight_refuses_to_be_read_as_w():
-    p = quantize_forward_weight(_weight(32, 64, torch.float32), get_scheme("quartet2")).pack()
-    g = GatheredNVFP4Weight(p.data, p.scales, p.tensor_scale, p.tile, torch.bfloat16)
+    s = get_scheme("quartet2")
+    p = quantize_forward_weight(_weight(32, 64, torch.float32), s).pack()
+    g = GatheredNVFP4Weight(p.data, p.scales, p.tensor_scale, p.tile, torch.bfloat16, s.forward.b)
     assert g.shape == (32, 64) and g.dtype == torch.bfloat16
     assert torch.equal(g.detach().packed.data, p.data)
+    assert g.serves(s.forward.b) and not g.serves(get_scheme("nvidia").forward.b)
+    assert not g.serves(get_scheme("quartet2", forward=False).forward.b)  # a forward switched to BF16
     with pytest.raises(RuntimeError, match="holds only its forward NVFP4 form"):
         g.sum()
