@@ -17,7 +17,7 @@ from torch import nn
 import quant
 from model import build_model
 from quant import QuantLinear
-from training import trainer
+from training import identity  # noqa: F401  (registers the run-name resolvers of train.yaml)
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml"))
