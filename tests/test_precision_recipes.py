@@ -309,6 +309,7 @@ def test_quantized_run_validates_in_bf16_too_and_gaps_both(tiny, tmp_path):
         assert rows[s]["val/loss_gap"] == rows[s]["val/loss"] - base_rows[s]["val/loss"]
         assert rows[s]["val/loss_gap_bf16"] == rows[s]["val/loss_bf16"] - base_rows[s]["val/loss"]
     assert summary["final_val_loss_bf16"] == rows[4]["val/loss_bf16"]
+    assert summary["loss_gap_bf16"] == rows[4]["val/loss_gap_bf16"] and summary["loss_gap"] == rows[4]["val/loss_gap"]
     state = checkpoint_state(Path(cfg.run_dir) / "checkpoints" / "step_00000004", tmp_path / "q.pt")["model"]
     assert _bf16_val_loss(cfg, state) == pytest.approx(rows[4]["val/loss_bf16"], rel=1e-6)
 

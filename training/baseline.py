@@ -175,6 +175,7 @@ class LiveGap:
         self.own: dict[int, float] = {}  # this run's validation losses by step
         self.own_bf16: dict[int, float] = {}  # ... and those with BF16 linears
         self.gaps: dict[int, float] = {}  # the gaps logged so far, by step
+        self.gaps_bf16: dict[int, float] = {}  # ... and those of the BF16-validated losses
         self.active = select(cfg, "quant.name") != BASELINE_SCHEME and self.setting is not None
         self.line = self._choose()
 
@@ -215,6 +216,8 @@ class LiveGap:
         self.own.update(val_losses(rows))
         self.own_bf16.update(val_losses(rows, key="val/loss_bf16"))
         self.gaps.update({int(r["gap_step"]): r["val/loss_gap"] for r in rows if r.get("gap_step") is not None})
+        self.gaps_bf16.update({int(r["gap_step"]): r["val/loss_gap_bf16"] for r in rows
+                               if r.get("gap_step") is not None and "val/loss_gap_bf16" in r})
 
     def at_validation(self, step: int, val_loss: float,
                       val_loss_bf16: float | None = None) -> tuple[dict[str, float], str | None]:
@@ -246,7 +249,7 @@ class LiveGap:
             gap = self.gaps[s] = self.own[s] - base[s]
             row = {"gap_step": s, "val/loss_gap": gap, "val/loss_gap_rel": gap / base[s]}
             if s in self.own_bf16:
-                gap_bf16 = self.own_bf16[s] - base[s]
+                gap_bf16 = self.gaps_bf16[s] = self.own_bf16[s] - base[s]
                 row |= {"val/loss_gap_bf16": gap_bf16, "val/loss_gap_bf16_rel": gap_bf16 / base[s]}
             rows.append(row)
         return rows
@@ -262,3 +265,7 @@ class LiveGap:
         """The gap logged for the final validation ``step`` (None when the baseline had no value
         there; call after :meth:`remaining`)."""
         return self.gaps.get(step)
+
+    def final_bf16(self, step: int) -> float | None:
+        """:meth:`final` of the BF16-validated loss (None also when the run has none)."""
+        return self.gaps_bf16.get(step)

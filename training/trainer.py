@@ -389,8 +389,9 @@ class Trainer:
         steps, tokens = self.steps, self.steps * self.tokens_per_step
         summary = {"final_val_loss": self.state.val_loss, "steps": steps, "tokens": tokens,
                    "non_embedding_params": self.n_params, "scheme": self.scheme.name,
-                   "model": self.cfg.model.name, "world_size": self.di.world_size,
-                   "final_val_loss_bf16": self.val_loss_bf16}
+                   "model": self.cfg.model.name, "world_size": self.di.world_size}
+        if self.val_loss_bf16 is not None:
+            summary["final_val_loss_bf16"] = self.val_loss_bf16
         summary |= self.validation.final_gap(steps, self.run_dir, self.tracker)
         self.tracker.summary(summary)
         minutes = (time.perf_counter() - t_run) / 60

@@ -182,6 +182,8 @@ class Validation:
             return {}
         final_gap = gaps.final(steps)
         out = {} if final_gap is None else {"loss_gap": final_gap, "loss_gap_baseline": gaps.baseline.where}
+        if (final_bf16 := gaps.final_bf16(steps)) is not None:
+            out["loss_gap_bf16"] = final_bf16
         if missing := gaps.missing():
             tracker.info(f"loss gap: the baseline has no validation loss yet at step(s) {missing}; "
                          f"`python scripts/compare_runs.py {run_dir.parent}` reports them once it has")
