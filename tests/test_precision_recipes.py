@@ -223,6 +223,19 @@ def _told(m: pytest.MonkeyPatch) -> list[int]:
     return told
 
 
+@pytest.mark.parametrize("override,message", [
+    ("quant.schedule.at=300", r"quant.schedule.at=300: step 300, outside the run's 300 steps.*Fix"),
+    ("quant.schedule.precision=nvidia", r"quant.schedule.precision='nvidia' is not a switch target"),
+    ("quant.bf16_tail=3", r"quant.bf16_tail=3: the model has 2 blocks"),
+    ("train.eval_bf16=maybe", r"train.eval_bf16=maybe must be auto"),
+])
+def test_bad_settings_stop_the_run_before_it_trains(tiny, override, message):
+    cfg = tiny(override, "quant.schedule.at=100" if "precision" in override else "train.steps=300")
+    with pytest.raises(ValueError, match=message):
+        trainer.run(cfg)
+    assert not (Path(cfg.run_dir) / "checkpoints").exists()
+
+
 SWITCH = ["quant=nvidia", "train.steps=4", "train.ckpt_every=1", "train.eval_every=2"]
 
 

@@ -84,8 +84,6 @@ class Validation:
     def __init__(self, data_dir: Path, di: DistInfo, *, seq_len: int, batch_size: int, batches: int,
                  autocast: bool, compile: bool, compile_mode: str, downstream: Downstream,
                  model_cfg: Any, tokenizer_path: str | None, bf16: bool | str = "auto") -> None:
-        if bf16 not in ("auto", True, False):
-            raise TrainingError(f"train.eval_bf16={bf16} must be auto (on for quantized runs), true or false.")
         self.data_dir, self.di, self.autocast, self.bf16 = data_dir, di, autocast, bf16
         self.seq_len, self.batch_size, self.batches = seq_len, batch_size, batches
         self.graphs = replays_cuda_graphs(compile, compile_mode)
