@@ -6,6 +6,10 @@ budget (:attr:`analysis.runs.Run.budget`); runs of different budgets never pair.
 sides, the gap is the mean over the seeds both have of (scheme − baseline); without common seeds
 it is mean(scheme) − mean(baseline), marked unpaired. Scheme runs without a baseline, and runs
 without a final validation loss, are kept apart.
+
+Runs that also validated with BF16 linears (``final_val_loss_bf16``, :mod:`training.validation`)
+get that loss's gap to the same baseline losses as well (``gap_bf16``), when every run of the row
+has one.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class GapRow:
     baseline_loss: float | None = None
     gap: float | None = None
     gap_sd: float | None = None
+    gap_bf16: float | None = None  # the gap of the BF16-validated loss, same pairing
     paired: bool = True
     runs: list[Run] = field(default_factory=list)
     baselines: list[list[Run]] = field(default_factory=list)  # per run: the baseline run(s) it is taken against
@@ -131,6 +136,7 @@ def compare(runs: list[Run], baseline: str = BASELINE, notes: list[str] | None =
             if pairs:
                 gaps = [r.final_val_loss - b.final_val_loss for r, b in pairs]
                 row.gap, row.gap_sd, row.n = _mean(gaps), _sd(gaps), len(pairs)
+                row.gap_bf16 = _bf16_gap([r for r, _ in pairs], [b.final_val_loss for _, b in pairs])
                 row.final_loss = _mean([r.final_val_loss for r, _ in pairs])
                 row.baseline_loss = _mean([b.final_val_loss for _, b in pairs])
                 row.runs = [r for r, _ in pairs]
@@ -141,6 +147,7 @@ def compare(runs: list[Run], baseline: str = BASELINE, notes: list[str] | None =
             else:
                 row.baseline_loss = _mean([b.final_val_loss for b in base_runs])
                 row.gap = row.final_loss - row.baseline_loss
+                row.gap_bf16 = _bf16_gap(rs, [row.baseline_loss] * len(rs))
                 row.gap_sd = _sd([r.final_val_loss for r in rs])
                 row.paired = False
                 row.baselines = [base_runs for _ in rs]
@@ -151,6 +158,13 @@ def compare(runs: list[Run], baseline: str = BASELINE, notes: list[str] | None =
         return (r.params or 0, r.model, r.tokens_per_param or 0, str(r.budget), scheme_key(r.scheme))
 
     return Report(sorted(rows, key=key), sorted(unmatched, key=key), incomplete, notes, baseline)
+
+
+def _bf16_gap(runs: list[Run], baselines: list[float]) -> float | None:
+    """Mean over ``runs`` of final_val_loss_bf16 − its baseline loss; None unless every run has one."""
+    if not runs or any(r.final_val_loss_bf16 is None for r in runs):
+        return None
+    return _mean([r.final_val_loss_bf16 - b for r, b in zip(runs, baselines)])
 
 
 def run_gap_curve(run: Run, bases: list[Run]) -> dict[int, tuple[float, float]]:

@@ -21,26 +21,31 @@ def _tokens_text(row: GapRow) -> str:
 
 
 def markdown(report: Report) -> str:
-    """The report: the gap table, a per-model pivot of the gaps (SPEC §5's layout), runs without
-    a baseline, runs without a final validation loss, and notes."""
+    """The report: the gap table (with the gap of the BF16-validated loss when runs have one), a
+    per-model pivot of the gaps (SPEC §5's layout), runs without a baseline, runs without a final
+    validation loss, and notes."""
     baseline = report.baseline
     out = [f"## Final validation loss and loss gap to {baseline}", ""]
     if report.rows:
+        bf16_val = any(r.gap_bf16 is not None for r in report.rows)
+        extra = (" gap, BF16 val |", "---:|") if bf16_val else ("", "")
         out += ["| model | non-emb. params | tokens | tokens/param | scheme | final val loss | "
-                f"{baseline} | gap | n |", "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+                f"{baseline} | gap |{extra[0]} n |", f"|---|---:|---:|---:|---|---:|---:|---:|{extra[1]}---:|"]
         for r in report.rows:
             gap = "baseline" if r.scheme == baseline else _fmt(r.gap, signed=True)
             if r.gap is not None and r.gap_sd is not None:
                 gap += f" ± {r.gap_sd:.4f}"
             if r.gap is not None and not r.paired:
                 gap += " (unpaired)"
-            out.append(f"| {r.model} | {r.params:,} | {_tokens_text(r)} | {_fmt(r.tokens_per_param, '.4g')} | "
-                       f"{r.scheme} | {r.final_loss:.4f} | {_fmt(r.baseline_loss)} | {gap} | {r.n} |"
-                       if r.params else
-                       f"| {r.model} | — | {_tokens_text(r)} | {_fmt(r.tokens_per_param, '.4g')} | "
+            if bf16_val:
+                gap += " | " + ("baseline" if r.scheme == baseline else _fmt(r.gap_bf16, signed=True))
+            params = f"{r.params:,}" if r.params else "—"
+            out.append(f"| {r.model} | {params} | {_tokens_text(r)} | {_fmt(r.tokens_per_param, '.4g')} | "
                        f"{r.scheme} | {r.final_loss:.4f} | {_fmt(r.baseline_loss)} | {gap} | {r.n} |")
         out += ["", f"n: seeds averaged (paired with the {baseline} run of the same seed); ± is their "
-                f"standard deviation. Gap > 0: the scheme's validation loss is above {baseline}'s.", ""]
+                f"standard deviation. Gap > 0: the scheme's validation loss is above {baseline}'s."
+                + (" Gap, BF16 val: the final validation loss of the same weights with every linear in "
+                   f"BF16 (val/loss_bf16), minus the same {baseline} loss." if bf16_val else ""), ""]
         pivot = _pivot(report.rows, baseline)
         if pivot:
             out += pivot
@@ -97,7 +102,8 @@ def report_json(report: Report) -> dict[str, Any]:
     def row(r: GapRow) -> dict[str, Any]:
         return {"model": r.model, "non_embedding_params": r.params, "tokens": r.tokens,
                 "tokens_per_param": r.tokens_per_param, "scheme": r.scheme, "final_val_loss": r.final_loss,
-                "baseline_val_loss": r.baseline_loss, "loss_gap": r.gap, "loss_gap_sd": r.gap_sd, "n": r.n,
+                "baseline_val_loss": r.baseline_loss, "loss_gap": r.gap, "loss_gap_sd": r.gap_sd,
+                "loss_gap_bf16": r.gap_bf16, "n": r.n,
                 "paired": r.paired, "runs": [x.name for x in r.runs],
                 "gap_curve": {str(k): v for k, v in r.curve.items()}}
 

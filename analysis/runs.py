@@ -51,6 +51,7 @@ class Run:
     tokens_per_param_cfg: float | None = None
     steps: int | None = None
     final_val_loss: float | None = None
+    final_val_loss_bf16: float | None = None  # the same weights with BF16 linears (val/loss_bf16)
     last_step: int | None = None
     val_curve: dict[int, float] = field(default_factory=dict)  # step -> val/loss
     run_id: str | None = None
@@ -141,6 +142,7 @@ def apply_config(run: Run, cfg: dict | None) -> None:
 def apply_summary(run: Run, summary: dict) -> None:
     """Take the final loss, token and parameter counts, model and scheme from a run's summary."""
     run.final_val_loss = number(summary.get("final_val_loss"))
+    run.final_val_loss_bf16 = number(summary.get("final_val_loss_bf16"))
     if summary.get("tokens") is not None:
         run.tokens = int(summary["tokens"])
     if summary.get("non_embedding_params") is not None:

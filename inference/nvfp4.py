@@ -26,7 +26,6 @@ then rounded once more), bit for bit; it checks every element, and raises when n
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -35,8 +34,9 @@ import torch
 from model.hf import hf_linears
 from model.llama import LlamaConfig
 from quant.format import E2M1_MAX, E4M3_MAX, GROUP, NVFP4Tensor, decode_e2m1, encode_e2m1, pack_codes, unpack_codes
-from quant.linear import quantize_forward_weight, skip_patterns
+from quant.linear import quantize_forward_weight
 from quant.quantizers import quantize_rtn
+from quant.recipe import recipe_from_config
 from quant.schemes import scheme_from_config
 
 CT_FORMAT = "nvfp4-pack-quantized"
@@ -164,15 +164,19 @@ def forward_weights(state: Mapping[str, torch.Tensor], cfg: LlamaConfig, quant_c
     A run that trained with quantized forward weights gets its forward Ŵ
     (:func:`quant.linear.quantize_forward_weight`, from the weight in ``weight_dtype``: the FP32
     master weight in one process, its BF16 copy when FSDP2 cast the parameters, SPEC §4's BF16
-    autocast), and its BF16 layers (``quant.skip``, ``keep_edge_blocks``; ``lm_head`` by default)
-    stay BF16. A run whose forward weights were BF16 gets RTN 1×16 of its FP32 master weights
-    (SPEC §2, the RTN row) on the same layers: the PTQ comparison point."""
+    autocast), and its layers whose forward ran in BF16 (the precision recipe, :mod:`quant.recipe`:
+    ``quant.skip``, ``keep_edge_blocks``, ``bf16_tail`` and the ``recipe`` rules of precision
+    ``bf16`` or ``bf16_forward``; ``lm_head`` by default) stay BF16. A run whose forward weights
+    were BF16 gets RTN 1×16 of its FP32 master weights (SPEC §2, the RTN row) on every layer but
+    its ``bf16`` ones: the PTQ comparison point. The late switch (``quant.schedule``) is not
+    applied: the export holds the Ŵ of the recipe's NVFP4 forward."""
     scheme = scheme_from_config(quant_cfg)
     ptq = scheme.forward.b.quantizer == "none"
-    patterns = skip_patterns(quant_cfg, cfg.n_layer, scheme.skip)
+    recipe = recipe_from_config(quant_cfg, cfg.n_layer, scheme.skip)
+    bf16 = ("bf16",) if ptq else ("bf16", "bf16_forward")
     weights, kept = {}, []
     for name in hf_linears(cfg):
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+        if recipe.precision_of(name) in bf16:
             kept.append(name)
             continue
         w = state[f"{name}.weight"]

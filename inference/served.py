@@ -22,7 +22,7 @@ from data.loader import val_batches
 from data.prepare import dataset_dir
 from model.llama import Llama, build_model
 from quant.format import E2M1_MAX, E4M3_MAX, NVFP4Tensor, round_e2m1, to_groups
-from quant.linear import quantize_model, skip_patterns
+from quant.recipe import quantize_with_recipe, recipe_from_config
 from quant.schemes import scheme_from_config
 
 from .nvfp4 import input_global_scale
@@ -32,10 +32,11 @@ MODES = ("bf16", "w4a16", "w4a4")
 
 def trained_model(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> Llama:
     """The model as it trained: ``build_model`` with the run's scheme on its quantized layers
-    (``quant.quantize_model`` with the run's skip patterns), the checkpoint's weights, eval mode."""
+    (its precision recipe, :func:`quant.recipe.quantize_with_recipe`), the checkpoint's weights,
+    eval mode."""
     model = build_model(config["model"], device="cpu")
     scheme = scheme_from_config(config["quant"])
-    quantize_model(model, scheme, skip=skip_patterns(config["quant"], model.config.n_layer, scheme.skip))
+    quantize_with_recipe(model, scheme, recipe_from_config(config["quant"], model.config.n_layer, scheme.skip))
     model.load_state_dict(state, strict=False)
     return model.eval()
 

@@ -180,6 +180,24 @@ def _without_quantization(g: Gemm) -> Gemm:
                 replace(g.b, quantizer="none", four_over_six=False, posthoc=False))
 
 
+def bf16_gemms(scheme: Scheme, *, forward: bool = False, backward: bool = False) -> Scheme:
+    """``scheme`` with its forward GEMM (``forward``) and/or its dgrad and wgrad (``backward``)
+    unquantized and unrotated: what :func:`get_scheme`'s ``forward=False`` / ``backward=False``
+    do, applied to any scheme (the precisions of :mod:`quant.recipe`).
+
+    With the forward unquantized, a backward operand of ``source="quantized"`` reads the
+    forward's operand, which is then the high-precision X or W itself: nvidia's dgrad multiplies
+    E (SR) by W in the compute dtype (BF16 under autocast); quartet2's and tetrajet_v2's dgrad
+    and wgrad rotate and quantize the high-precision W and X as their quantizers say. So the
+    backward stays the scheme's, on the operands the forward used, and no Ŵ is saved or
+    quantized once per step (:attr:`Scheme.saves_quantized_w`,
+    :func:`quant.step_weights.caches_forward_weight`)."""
+    fwd = _without_quantization(scheme.forward) if forward else scheme.forward
+    dgrad, wgrad = ((_without_quantization(scheme.dgrad), _without_quantization(scheme.wgrad)) if backward
+                    else (scheme.dgrad, scheme.wgrad))
+    return replace(scheme, forward=fwd, dgrad=dgrad, wgrad=wgrad)
+
+
 RANGE_ALIGNMENTS = ("posthoc", "amax")
 
 
@@ -255,9 +273,10 @@ ABLATIONS: dict[str, Any] = {
 """The ablation switches of :func:`get_scheme` (SPEC §3) and their defaults, which leave a named
 scheme as :data:`SCHEMES` defines it."""
 
-LAYER_KEYS = ("skip", "keep_edge_blocks")
-"""Keys of a quant config (configs/quant/) that choose which layers get the scheme, not the scheme:
-read by :func:`quant.skip_patterns` (and :func:`quant.edge_block_patterns`)."""
+LAYER_KEYS = ("skip", "keep_edge_blocks", "bf16_tail", "recipe", "schedule")
+"""Keys of a quant config (configs/quant/) that choose which layers and GEMMs get the scheme, and
+when, not the scheme: read by :func:`quant.recipe.recipe_from_config` (the first four) and
+:mod:`training.precision_schedule` (``schedule``)."""
 
 
 def scheme_from_config(cfg: Mapping[str, Any]) -> Scheme:

@@ -24,7 +24,9 @@ without common seeds it is mean(scheme) − mean(BF16) and the table says "unpai
 number of seeds averaged. Scheme runs of a model and budget without a BF16 run are listed in their
 own section, and so are runs without a final validation loss (unfinished or failed).
 
-Outputs: the markdown report on stdout (and ``--out``), a PNG of loss gap against tokens per
+Outputs: the markdown report on stdout (and ``--out``), with the gap of the final validation loss
+and, where the runs logged it, that of ``val/loss_bf16`` (the same weights with every linear in
+BF16, column "gap, BF16 val"); a PNG of loss gap against tokens per
 parameter (one panel per model size, one line per scheme, ``--plot``; by default
 ``loss_gap.png`` in the first run directory given, and the report's last lines name the file),
 optionally a PNG of the gap

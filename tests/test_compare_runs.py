@@ -321,3 +321,29 @@ def test_wandb_api_source_and_writeback():
     assert [r["val/loss_gap_rel"] for r in w.rows] == pytest.approx([0.1 / 4.0, 0.1 / 3.7, 0.05 / 3.5])
     assert w.summary == pytest.approx({"loss_gap": 0.05, "loss_gap_baseline": 3.5})
     assert "gap curve and loss_gap written to 1" in messages[-1]
+
+
+def test_both_gaps_of_runs_validated_in_bf16_too(tmp_path, capsys):
+    """Runs with final_val_loss_bf16 (train.eval_bf16) get the gap of both losses to the same
+    bf16 losses, paired by seed; a switched run is labelled by its recipe and pairs with bf16."""
+    for seed, base, own, own_bf16 in ((0, 3.50, 3.56, 3.52), (1, 3.52, 3.57, 3.55)):
+        local_run(tmp_path, f"30m-bf16-25tpp-s{seed}", model="30m", scheme="bf16", seed=seed, tokens=T25,
+                  params=P30, final=base, curve={300: base}, config="json")
+        for extra in ({}, {"schedule": {"at": 0.8, "precision": "bf16_forward"}}):
+            name = f"30m-nvidia{'+fwdbf16@80%' if extra else ''}-25tpp-s{seed}"
+            d = local_run(tmp_path, name, model="30m", scheme="nvidia", seed=seed, tokens=T25, params=P30,
+                          final=own - 0.02 * bool(extra), curve={300: own}, config="json", quant_extra=extra)
+            summary = json.loads((d / "summary.json").read_text())
+            (d / "summary.json").write_text(json.dumps(summary | {"final_val_loss_bf16": own_bf16}))
+    runs, notes = analysis.collect_paths([tmp_path])
+    report = analysis.compare(runs, notes=notes)
+    plain, switched = _row(report.rows, "nvidia"), _row(report.rows, "nvidia[fwdbf16@80%]")
+    assert plain.gap == pytest.approx(0.055) and plain.gap_bf16 == pytest.approx(0.025)
+    assert switched.gap == pytest.approx(0.035) and switched.gap_bf16 == pytest.approx(0.025)
+    assert main([str(tmp_path), "--no-plot", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| gap | gap, BF16 val | n |" in out
+    assert "| nvidia[fwdbf16@80%] | 3.5450 | 3.5100 | +0.0350 ± 0.0071 | +0.0250 | 2 |" in out
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {r["scheme"]: r["loss_gap_bf16"] for r in rows} == pytest.approx(
+        {"bf16": None, "nvidia": 0.025, "nvidia[fwdbf16@80%]": 0.025})

@@ -17,7 +17,7 @@ from torch import nn
 import quant
 from model import build_model
 from quant import QuantLinear
-from training import trainer
+from training import identity  # noqa: F401  (registers the run-name resolvers of train.yaml)
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml"))
@@ -38,7 +38,7 @@ def test_every_model_and_quant_preset_composes_and_builds_on_meta(compose_train,
     assert cfg.model.name == model_name and cfg.quant.name == quant_name
     model = build_model(cfg.model, device="meta")
     scheme = quant.scheme_from_config(cfg.quant)
-    quant.quantize_model(model, scheme, skip=trainer.skip_patterns(cfg.quant, cfg.model.n_layer))
+    quant.quantize_model(model, scheme, skip=quant.skip_patterns(cfg.quant, cfg.model.n_layer))
 
     assert len(model.blocks) == cfg.model.n_layer
     for i, block in enumerate(model.blocks):
@@ -218,7 +218,7 @@ def test_unknown_quant_key_is_refused_naming_it_and_the_accepted_ones(compose_tr
 def test_keep_edge_blocks_keeps_those_blocks_in_high_precision(compose_train):
     cfg = compose_train(["model=100m", "quant=nvidia", "quant.keep_edge_blocks={first: 1, last: 2}"])
     model = build_model(cfg.model, device="meta")
-    skip = trainer.skip_patterns(cfg.quant, cfg.model.n_layer)
+    skip = quant.skip_patterns(cfg.quant, cfg.model.n_layer)
     quant.quantize_model(model, quant.scheme_from_config(cfg.quant), skip=skip)
     kept = {i for i, block in enumerate(model.blocks) if type(block.attn.qkv) is nn.Linear}
     assert kept == {0, cfg.model.n_layer - 2, cfg.model.n_layer - 1}

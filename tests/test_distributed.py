@@ -186,13 +186,16 @@ GATHER_STEPS, COUNTED_STEPS, ACCUM = 20, 2, 2  # 8 sequences per step, 2 per mic
 @pytest.fixture(scope="module")
 def gather_runs(tmp_path_factory, data_cache) -> Path:
     """Every quantized scheme under weight_gather=bf16 and =nvfp4 on 2 gloo ranks (one torchrun):
-    20 steps in BF16, the collectives of the first 2 counted; and 1 step of nvidia under
-    delayed_amax, whose weights cannot travel as Ŵ."""
+    20 steps in BF16, validated with their own and with BF16 linears, the collectives of the
+    first 2 counted; nvidia with its forward switched to BF16 from step 10 in both settings; and
+    1 step of nvidia under delayed_amax, whose weights cannot travel as Ŵ."""
     tmp = tmp_path_factory.mktemp("gather")
     extra = ("precision=bf16", f"train.steps={GATHER_STEPS}", "train.eval_every=10", "train.ckpt_every=20")
     runs = [{"overrides": _overrides(tmp / f"{s}-{g}", data_cache, f"quant={s}", f"parallel.weight_gather={g}",
                                      *extra), "count_collectives": COUNTED_STEPS}
             for s in QUANTIZED for g in ("bf16", "nvfp4")]
+    runs += [{"overrides": _overrides(tmp / f"switched-{g}", data_cache, "quant=nvidia", f"parallel.weight_gather={g}",
+                                      "quant.schedule.at=10", *extra)} for g in ("bf16", "nvfp4")]
     runs.append({"overrides": _overrides(tmp / "delayed", data_cache, "quant=nvidia", "quant.delayed_amax=true",
                                          "precision=bf16", "train.steps=1")})
     torchrun(tmp, runs)
@@ -208,6 +211,7 @@ def test_nvfp4_weight_gather_is_bit_identical_to_bf16_gather(gather_runs, tmp_pa
     rows = _metrics(a)
     assert rows == _metrics(b)
     assert sum("train/grad_norm" in r for r in rows) == GATHER_STEPS and sum("val/loss" in r for r in rows) == 3
+    assert sum("val/loss_bf16" in r for r in rows) == 3  # W itself gathered for the BF16 validation
     sa, sb = dict(_flat_tensors(_final_state(a, tmp_path))), dict(_flat_tensors(_final_state(b, tmp_path)))
     assert sa.keys() == sb.keys() and any("qkv" in k for k in sa)
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -239,6 +243,14 @@ def test_nvfp4_weight_gather_moves_3_3x_fewer_bytes(gather_runs, scheme, bits):
         linear[g] = measured[g] - 2 * ACCUM * expected["other"]
     assert linear["bf16"] / linear["nvfp4"] >= 3.3
     assert linear["bf16"] / linear["nvfp4"] == pytest.approx(16 / bits)
+
+
+def test_nvfp4_weight_gather_follows_a_switch_to_bf16_forward(gather_runs):
+    """After quant.schedule switches the forwards to BF16 the layers read W itself (gathered
+    explicitly, quant.gathered.GatheredNVFP4Weight.whole): the same bits as the BF16 gather."""
+    rows = _metrics(gather_runs / "switched-bf16")
+    assert rows == _metrics(gather_runs / "switched-nvfp4")
+    assert rows != _metrics(gather_runs / "nvidia-bf16")  # the switch changed the training
 
 
 def test_a_layer_that_cannot_gather_w_hat_is_named(gather_runs):

@@ -464,3 +464,20 @@ def test_bad_settings_fail_before_training(tiny, override, message):
     with pytest.raises((ValueError, errors.TrainingError), match=message):
         trainer.run(cfg)
     assert not (Path(cfg.run_dir) / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_older_than_a_config_key_resumes_at_its_default(compose_train):
+    """A fingerprint saved before quant.recipe, bf16_tail and schedule existed matches today's
+    defaults (training.checkpoint.ADDED_KEYS), and still refuses a run that sets one of them."""
+    from omegaconf import OmegaConf
+
+    from training.checkpoint import ADDED_KEYS, config_fingerprint, fingerprint_changes
+
+    cfg = compose_train(["quant=quartet2"])
+    now = config_fingerprint(OmegaConf.to_container(cfg, resolve=True))
+    assert set(ADDED_KEYS) <= set(now)
+    old = {k: v for k, v in now.items() if k not in ADDED_KEYS}
+    assert fingerprint_changes(old, now) == {}
+    tail = config_fingerprint(OmegaConf.to_container(compose_train(["quant=quartet2", "quant.bf16_tail=2"]),
+                                                     resolve=True))
+    assert fingerprint_changes(old, tail) == {"quant.bf16_tail": (None, 2)}

@@ -340,7 +340,7 @@ def test_weight_decay_on_linear_weights_only(compose_train):
     cfg = compose_train(["quant=quartet2"])
     model = build_model(cfg.model, device="cpu")
     quant.quantize_model(model, quant.scheme_from_config(cfg.quant),
-                         skip=trainer.skip_patterns(cfg.quant, cfg.model.n_layer))
+                         skip=quant.skip_patterns(cfg.quant, cfg.model.n_layer))
     decay, no_decay = param_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     decayed = {id(p) for p in decay["params"]}

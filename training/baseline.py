@@ -15,6 +15,12 @@ and that has no gap logged yet. A baseline that runs beside this run (a sweep) m
 reached a step yet; its gap then comes at a later validation, and :meth:`LiveGap.remaining` gives
 the rest at the end of the run. Gaps are never interpolated: a step the baseline never validated
 has none. Each gap row carries its own axis, ``gap_step``, the step of the two validation losses.
+
+A run that also validates with BF16 linears (``val/loss_bf16``, :mod:`training.validation`) gets
+that loss's gap in the same row, ``val/loss_gap_bf16`` and ``val/loss_gap_bf16_rel``, against the
+same baseline loss. The baseline is matched on :data:`MATCH_KEYS` alone, so a run with a precision
+recipe or a late switch to BF16 (``quant.recipe``, ``quant.schedule``, ...) pairs with the same
+bf16 run as its unswitched twin.
 """
 
 from __future__ import annotations
@@ -167,7 +173,9 @@ class LiveGap:
         self.setting = cfg.get("baseline", "auto")
         self.baseline: Baseline | None = None
         self.own: dict[int, float] = {}  # this run's validation losses by step
+        self.own_bf16: dict[int, float] = {}  # ... and those with BF16 linears
         self.gaps: dict[int, float] = {}  # the gaps logged so far, by step
+        self.gaps_bf16: dict[int, float] = {}  # ... and those of the BF16-validated losses
         self.active = select(cfg, "quant.name") != BASELINE_SCHEME and self.setting is not None
         self.line = self._choose()
 
@@ -206,12 +214,18 @@ class LiveGap:
     def resume(self, rows: list[dict]) -> None:
         """Take up the validations and gaps already in ``metrics.jsonl`` (a resumed run)."""
         self.own.update(val_losses(rows))
+        self.own_bf16.update(val_losses(rows, key="val/loss_bf16"))
         self.gaps.update({int(r["gap_step"]): r["val/loss_gap"] for r in rows if r.get("gap_step") is not None})
+        self.gaps_bf16.update({int(r["gap_step"]): r["val/loss_gap_bf16"] for r in rows
+                               if r.get("gap_step") is not None and "val/loss_gap_bf16" in r})
 
-    def at_validation(self, step: int, val_loss: float) -> tuple[dict[str, float], str | None]:
+    def at_validation(self, step: int, val_loss: float,
+                      val_loss_bf16: float | None = None) -> tuple[dict[str, float], str | None]:
         """The gap row to log with this validation (empty when none is ready), and a line to
         print when the baseline was found just now."""
         self.own[step] = val_loss
+        if val_loss_bf16 is not None:
+            self.own_bf16[step] = val_loss_bf16
         if not self.active:
             return {}, None
         found = None
@@ -233,7 +247,11 @@ class LiveGap:
         rows = []
         for s in steps if every else steps[:1]:
             gap = self.gaps[s] = self.own[s] - base[s]
-            rows.append({"gap_step": s, "val/loss_gap": gap, "val/loss_gap_rel": gap / base[s]})
+            row = {"gap_step": s, "val/loss_gap": gap, "val/loss_gap_rel": gap / base[s]}
+            if s in self.own_bf16:
+                gap_bf16 = self.gaps_bf16[s] = self.own_bf16[s] - base[s]
+                row |= {"val/loss_gap_bf16": gap_bf16, "val/loss_gap_bf16_rel": gap_bf16 / base[s]}
+            rows.append(row)
         return rows
 
     def missing(self) -> list[int]:
@@ -247,3 +265,7 @@ class LiveGap:
         """The gap logged for the final validation ``step`` (None when the baseline had no value
         there; call after :meth:`remaining`)."""
         return self.gaps.get(step)
+
+    def final_bf16(self, step: int) -> float | None:
+        """:meth:`final` of the BF16-validated loss (None also when the run has none)."""
+        return self.gaps_bf16.get(step)

@@ -95,9 +95,18 @@ def config_fingerprint(cfg: dict) -> dict[str, Any]:
     return out
 
 
+ADDED_KEYS = {"quant.bf16_tail": None, "quant.recipe": [], "quant.schedule.at": None,
+              "quant.schedule.precision": "bf16_forward"}
+"""Fingerprint keys that configs gained after checkpoints had been written, each with the value
+that does what a run without the key did: a checkpoint that lacks one resumes as if it had saved
+that value (so a run started before the precision recipes resumes unchanged)."""
+
+
 def fingerprint_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{key: (saved value, current value)}`` for every fingerprint key that differs."""
+    """``{key: (saved value, current value)}`` for every fingerprint key that differs (a key the
+    checkpoint predates counts as its :data:`ADDED_KEYS` value)."""
     missing = object()
+    saved = {**{k: v for k, v in ADDED_KEYS.items() if k not in saved}, **saved}
     keys = sorted(set(saved) | set(current))
     return {k: (saved.get(k), current.get(k)) for k in keys
             if saved.get(k, missing) != current.get(k, missing)}

@@ -41,6 +41,8 @@ def check_train_config(cfg: DictConfig, world_size: int) -> None:
             f"train.eval_batch_size={t.eval_batch_size} is not divisible by the "
             f"{world_size} ranks. Fix: make it a multiple of the world size."
         )
+    if t.eval_bf16 not in ("auto", True, False):
+        raise ConfigError(f"train.eval_bf16={t.eval_bf16} must be auto (on for quantized runs), true or false.")
     if cfg.cuda_graph not in ("auto", True, False):
         raise ConfigError(f"cuda_graph={cfg.cuda_graph} must be auto, true or false.")
     if cfg.parallel.fsdp not in ("auto", True):

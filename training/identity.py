@@ -11,9 +11,13 @@ The run name is ``<model>-<scheme label>-<budget>-s<seed>``:
 * the budget is ``<T>tpp`` (``train.tokens_per_param``, SPEC §4's tokens per non-embedding
   parameter) or ``<N>steps`` (``train.steps``);
 * the scheme label is the scheme's name, then ``+key=value`` for each ablation switch
-  (:data:`quant.ABLATIONS`, SPEC §3) that changes the scheme on its own (:func:`scheme_switches`).
-  A switch set to what the scheme already does (``four_over_six=true`` on quartet2), or any
-  switch on bf16, changes nothing and names nothing.
+  (:data:`quant.ABLATIONS`, SPEC §3) that changes the scheme on its own (:func:`scheme_switches`),
+  then the precision recipe (:func:`precision_labels`): ``+tail=2`` or ``+tail=15%`` for
+  ``bf16_tail``, ``+recipe=<6 hex digits>`` for the rules of ``recipe`` (a digest: globs hold
+  characters a directory name should not), and the late switch as ``+fwdbf16@80%`` (a fraction of
+  the budget) or ``+bf16@2400`` (a step). A switch set to what the scheme already does
+  (``four_over_six=true`` on quartet2), or any switch or recipe on bf16, changes nothing and
+  names nothing. The run group leaves the scheme out, so all of them share it.
 
 The loss-gap report writes the same switches as ``scheme[key=value,...]`` (:func:`report_label`),
 adding the layer choice ``keep_edge_blocks`` when it is set, which the run name leaves out.
@@ -21,6 +25,8 @@ adding the layer choice ``keep_edge_blocks`` when it is set, which the run name 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -32,6 +38,7 @@ from omegaconf import OmegaConf
 import quant
 
 from .errors import ConfigError
+from .precision_schedule import switch_label
 
 BUDGET_KEYS = ("train.steps", "train.tokens_per_param")
 """The config keys that set a run's token budget (``tokens_per_param`` wins when both are set)."""
@@ -106,10 +113,30 @@ def scheme_switches(name: str, quant_cfg: Mapping[str, Any]) -> list[tuple[str, 
     return switches
 
 
+def precision_labels(name: str, quant_cfg: Mapping[str, Any]) -> list[str]:
+    """The precision recipe and late switch of ``quant_cfg`` as name parts (module docstring);
+    none on a scheme that quantizes nothing."""
+    if name in quant.SCHEMES and quant.SCHEMES[name].is_identity:
+        return []
+    out = []
+    tail = quant_cfg.get("bf16_tail")
+    if tail:
+        out.append(f"tail={tail * 100:g}%" if isinstance(tail, float) else f"tail={tail}")
+    rules = quant_cfg.get("recipe")
+    if rules:
+        text = json.dumps([dict(r) for r in rules], sort_keys=True)
+        out.append(f"recipe={hashlib.sha1(text.encode()).hexdigest()[:6]}")
+    switch = switch_label(quant_cfg.get("schedule"))
+    if switch:
+        out.append(switch)
+    return out
+
+
 def run_label(quant_cfg: Mapping[str, Any]) -> str:
-    """The scheme label of a run name: ``quartet2+eden_correction=energy``."""
+    """The scheme label of a run name: ``quartet2+eden_correction=energy``, ``quartet2+fwdbf16@80%``."""
     name = str(quant_cfg["name"])
-    return name + "".join(f"+{k}={v}" for k, v in scheme_switches(name, quant_cfg))
+    parts = [f"{k}={v}" for k, v in scheme_switches(name, quant_cfg)] + precision_labels(name, quant_cfg)
+    return name + "".join(f"+{p}" for p in parts)
 
 
 def _bracketed(name: str, switches: list[str]) -> str:
@@ -118,12 +145,13 @@ def _bracketed(name: str, switches: list[str]) -> str:
 
 def report_label(name: str | None, quant_cfg: Mapping[str, Any] | None) -> str | None:
     """The scheme label of the loss-gap report: ``quartet2[eden_correction=energy]``, the run
-    label's switches and any :data:`REPORT_LAYER_KEYS` that are set; bf16 keeps its bare name."""
+    label's switches and precision parts, and any :data:`REPORT_LAYER_KEYS` that are set; bf16
+    keeps its bare name."""
     if name is None or not isinstance(quant_cfg, Mapping):
         return name
     if name in quant.SCHEMES and quant.SCHEMES[name].is_identity:
         return name
-    switches = [f"{k}={v}" for k, v in scheme_switches(name, quant_cfg)]
+    switches = [f"{k}={v}" for k, v in scheme_switches(name, quant_cfg)] + precision_labels(name, quant_cfg)
     switches += [f"{k}={quant_cfg[k]}" for k in REPORT_LAYER_KEYS if quant_cfg.get(k) is not None]
     return _bracketed(name, switches)
 

@@ -86,15 +86,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
-def val_losses(rows: Iterable[dict], step_key: str = "step") -> dict[int, float]:
-    """``val/loss`` by step from metric rows (``step_key``: ``step``, or W&B's ``_step``); a step
-    logged again (a resumed run) keeps its last value; a value that is not a finite number is
-    left out."""
+def val_losses(rows: Iterable[dict], step_key: str = "step", key: str = "val/loss") -> dict[int, float]:
+    """``key`` (``val/loss``, or ``val/loss_bf16``) by step from metric rows (``step_key``:
+    ``step``, or W&B's ``_step``); a step logged again (a resumed run) keeps its last value; a
+    value that is not a finite number is left out."""
     out = {}
     for row in rows:
         step = row.get(step_key)
         try:
-            value = float(row.get("val/loss"))
+            value = float(row.get(key))
         except (TypeError, ValueError):
             continue
         if step is not None and math.isfinite(value):

@@ -12,7 +12,9 @@ costs no host time per kernel (``torch.compile`` alone still launches each kerne
 What changes between steps reaches the graph as data: the batch is copied into static input
 buffers, the learning rate into AdamW's tensor ``lr``, and each micro-step's Philox key into the
 quantizers' step key (:func:`quant.randomness.step_key`), so a replay computes exactly the step
-that an eager call would. :func:`graph_blocker` says when a graph cannot be used, and
+that an eager call would. A change of the linears' schemes (the late switch to BF16,
+:mod:`training.precision_schedule`) is not data: :meth:`TrainStep.precision_changed` drops the
+graph, and the step is captured again. :func:`graph_blocker` says when a graph cannot be used, and
 :func:`choose_cuda_graph` applies the ``cuda_graph`` setting.
 
 The health check (:class:`PendingHealth`): a non-finite loss, gradient norm or parameter stops
@@ -197,6 +199,13 @@ class TrainStep:
         torch.cuda.current_stream(self.device).wait_stream(side)
         randomness.set_quant_step(step, self.accum - 1)  # the counters an eager step leaves
         return health
+
+    def precision_changed(self) -> None:
+        """The linears' schemes changed (a precision switch, :mod:`training.precision_schedule`):
+        a captured graph would replay the old GEMMs, so it is dropped, and the next steps run as
+        the warm-up of a new capture (:data:`WARMUP_STEPS`, which also let compiled blocks
+        recompile), then capture the step again."""
+        self.graph, self.health, self.calls = None, None, 0
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":  # a pinned copy does not wait for the GPU

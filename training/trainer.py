@@ -39,7 +39,7 @@ from data.tokenizer import check_vocab
 from model import build_model
 from model.parallel import materialize, parallelize, replays_cuda_graphs
 from quant import backend as quant_backend
-from quant import skip_patterns
+from quant.recipe import quantize_with_recipe, recipe_from_config, set_precision
 
 from .checkpoint import Checkpointer, CheckpointError, TrainState, check_fingerprint, config_fingerprint, read_extra
 from .config_checks import check_train_config
@@ -49,6 +49,7 @@ from .distributed import AnyRankLagged, DistInfo, barrier, init_distributed, shu
 from .errors import Interrupted, Preempted, TrainingError
 from .identity import total_steps
 from .optim import build_adamw, lr_at
+from .precision_schedule import switch_from_config
 from .preemption import STOP_FILE, PreemptionWatcher
 from .run_dir import holds_a_run, move_aside, read_metrics, record_command, rewind_metrics
 from .step import NonFinite, PendingHealth, TrainStep, choose_cuda_graph
@@ -143,13 +144,16 @@ class Trainer:
             autocast=self.autocast, compile=cfg.compile, compile_mode=cfg.compile_mode,
             downstream=Downstream(t.downstream_eval_every, tuple(t.downstream_tasks or ()),
                                   t.downstream_include_path, t.downstream_limit),
-            model_cfg=cfg.model, tokenizer_path=cfg.data.get("tokenizer_path"))
+            model_cfg=cfg.model, tokenizer_path=cfg.data.get("tokenizer_path"), bf16=t.eval_bf16)
         self.accum = t.batch_size // di.world_size // t.micro_batch_size
         loader = TokenLoader(self.data_dir, "train", t.seq_len, t.batch_size, rank=di.rank,
                              world_size=di.world_size, seed=cfg.seed)
         self.model, self.scheme = self._build_model()
         self.n_params = self.model.num_params(non_embedding=True)
         self.steps = total_steps(cfg, self.n_params)
+        self.switch = switch_from_config(cfg.quant, self.steps)
+        self.switched = False  # whether the quantized linears have switched (quant.schedule)
+        self.val_loss_bf16: float | None = None
         self.tokens_per_step = t.batch_size * t.seq_len
         self.resolved = OmegaConf.to_container(cfg, resolve=True)
         fingerprint = config_fingerprint({**self.resolved, "world_size": di.world_size})
@@ -167,7 +171,8 @@ class Trainer:
         return data_dir
 
     def _build_model(self) -> tuple[torch.nn.Module, quant.Scheme]:
-        """The model on the meta device, its block linears swapped for the scheme's."""
+        """The model on the meta device, its linears swapped as the scheme and its precision
+        recipe say (:mod:`quant.recipe`: ``skip``, ``keep_edge_blocks``, ``bf16_tail``, ``recipe``)."""
         cfg = self.cfg
         model = build_model(cfg.model, device="meta")
         scheme = quant.scheme_from_config(cfg.quant)
@@ -175,7 +180,7 @@ class Trainer:
             from quant.kernels import set_tuning, tuning_from_mapping
 
             set_tuning(tuning_from_mapping(cfg.kernels))
-        quant.quantize_model(model, scheme, skip=skip_patterns(cfg.quant, cfg.model.n_layer, scheme.skip))
+        quantize_with_recipe(model, scheme, recipe_from_config(cfg.quant, cfg.model.n_layer, scheme.skip))
         if not scheme.is_identity:  # before any training: NVFP4_BACKEND=native off Blackwell stops here
             try:
                 self.notes.append(quant_backend.describe(self.di.device))
@@ -293,6 +298,7 @@ class Trainer:
                     if rows := self._read_health():
                         tracker.log(step, rows[-1], line=False)
                     self.stops.stop(step)
+                self._switch_precision(step)
                 lr = lr_at(step, self.steps, o.lr, o.warmup_frac, o.start_ratio, o.final_ratio)
                 inputs, targets = self.state.loader.next_batch()
                 self.health.add(step, lr, self.train_step(step, inputs, targets, lr))
@@ -328,6 +334,18 @@ class Trainer:
         finally:
             tracker.finish(exit_code)
 
+    def _switch_precision(self, step: int) -> None:
+        """At the first step of the run that ``quant.schedule`` switches (the switch step, or the
+        resumed step after it), switch the quantized linears and tell the step
+        (:mod:`training.precision_schedule`)."""
+        if self.switch is None or self.switched or not self.switch.active(step):
+            return
+        layers = set_precision(self.model, self.switch.precision)
+        self.switched = True
+        self.train_step.precision_changed()
+        self.tracker.info(f"step {step}: {layers} quantized linear(s) switch to {self.switch.precision} "
+                          f"(quant.schedule.at={self.cfg.quant.schedule.at}, from step {self.switch.step} on)")
+
     def _read_health(self) -> list[dict[str, Any]]:
         """The metrics of the steps run but not yet read (one wait for the GPU); every row but the
         last is logged here, the last is the caller's. A non-finite step stops the run."""
@@ -342,9 +360,11 @@ class Trainer:
         return [row for _, row in rows]
 
     def _validated(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        """``metrics`` of step ``step`` with its validation loss, and its gap when one is ready."""
-        self.state.val_loss = self.validation.loss(self.model)
-        return self.validation.with_gap(step, metrics | {"val/loss": self.state.val_loss}, self.tracker.info)
+        """``metrics`` of step ``step`` with its validation loss(es), and its gap when one is ready."""
+        losses = self.validation.losses(self.model)
+        self.state.val_loss = losses["val/loss"]
+        self.val_loss_bf16 = losses.get("val/loss_bf16")
+        return self.validation.with_gap(step, metrics | losses, self.tracker.info)
 
     def _save(self, step: int, force_sync: bool = False) -> Path:
         """Checkpoint the state after ``step`` steps; returns the checkpoint's path."""
@@ -371,6 +391,8 @@ class Trainer:
         summary = {"final_val_loss": self.state.val_loss, "steps": steps, "tokens": tokens,
                    "non_embedding_params": self.n_params, "scheme": self.scheme.name,
                    "model": self.cfg.model.name, "world_size": self.di.world_size}
+        if self.val_loss_bf16 is not None:
+            summary["final_val_loss_bf16"] = self.val_loss_bf16
         summary |= self.validation.final_gap(steps, self.run_dir, self.tracker)
         self.tracker.summary(summary)
         minutes = (time.perf_counter() - t_run) / 60

@@ -3,9 +3,13 @@ downstream lm-eval tasks.
 
 * Validation loss: the mean loss over the same ``eval_batches`` × ``eval_batch_size`` held-out
   sequences every time (:func:`data.loader.val_batches`, the same set for any world size), under
-  the run's autocast, each rank taking its share.
+  the run's autocast, each rank taking its share: ``val/loss``, the model's own forward, and, for
+  a quantized run (``train.eval_bf16``: ``auto``, ``true``, ``false``), ``val/loss_bf16``, the same
+  weights with every linear in BF16 (:func:`quant.recipe.bf16_linears`). Megatron-Core's
+  ``evaluation_recipe`` does the same, as it "isolates the quality of learning from the ability to
+  infer with the quantization".
 * Loss gap: :class:`training.baseline.LiveGap` on the main rank, one gap row per validation at
-  most, the rest at the end of the run.
+  most (the gaps of both losses), the rest at the end of the run.
 * Downstream tasks (``train.downstream_tasks`` every ``train.downstream_eval_every`` steps): an
   unquantized copy of the current master weights scored by lm-eval (:mod:`training.downstream`),
   logged as ``eval/<task>/<metric>``.
@@ -26,6 +30,7 @@ from data.loader import val_batches
 from data.prepare import REPO_ROOT
 from data.tokenizer import Tokenizer
 from model.parallel import replays_cuda_graphs
+from quant.recipe import bf16_linears, quant_linears
 
 from .baseline import BaselineError, LiveGap
 from .distributed import DistInfo, all_reduce_mean
@@ -73,12 +78,13 @@ class Validation:
     ``batches``: the held-out set (``train.seq_len``, ``train.eval_batch_size``,
     ``train.eval_batches``); ``compile``/``compile_mode``: whether the model replays cudagraph
     trees, which a validation batch must step; ``model_cfg``/``tokenizer_path``: what the
-    downstream copy of the model is built and tokenized with."""
+    downstream copy of the model is built and tokenized with; ``bf16``: ``train.eval_bf16``, whether
+    each validation also logs ``val/loss_bf16`` (``auto``: when the model has quantized linears)."""
 
     def __init__(self, data_dir: Path, di: DistInfo, *, seq_len: int, batch_size: int, batches: int,
                  autocast: bool, compile: bool, compile_mode: str, downstream: Downstream,
-                 model_cfg: Any, tokenizer_path: str | None) -> None:
-        self.data_dir, self.di, self.autocast = data_dir, di, autocast
+                 model_cfg: Any, tokenizer_path: str | None, bf16: bool | str = "auto") -> None:
+        self.data_dir, self.di, self.autocast, self.bf16 = data_dir, di, autocast, bf16
         self.seq_len, self.batch_size, self.batches = seq_len, batch_size, batches
         self.graphs = replays_cuda_graphs(compile, compile_mode)
         self.downstream, self.model_cfg, self.tokenizer_path = downstream, model_cfg, tokenizer_path
@@ -120,12 +126,20 @@ class Validation:
         model.train()
         return all_reduce_mean(torch.stack(losses).mean()).item()
 
+    def losses(self, model: torch.nn.Module) -> dict[str, float]:
+        """``val/loss``, and ``val/loss_bf16`` when asked for (see the class docstring)."""
+        out = {"val/loss": self.loss(model)}
+        if self.bf16 is True or (self.bf16 == "auto" and quant_linears(model)):
+            with bf16_linears(model):
+                out["val/loss_bf16"] = self.loss(model)
+        return out
+
     def with_gap(self, step: int, metrics: dict[str, Any], say: Any) -> dict[str, Any]:
         """``metrics`` of a validation step, with a loss gap when one is ready to log; ``say``
         prints the line of a baseline found just now."""
         if self.gaps is None:
             return metrics
-        row, found = self.gaps.at_validation(step, metrics["val/loss"])
+        row, found = self.gaps.at_validation(step, metrics["val/loss"], metrics.get("val/loss_bf16"))
         if found:
             say(found)
         return metrics | row
@@ -166,6 +180,8 @@ class Validation:
             return {}
         final_gap = gaps.final(steps)
         out = {} if final_gap is None else {"loss_gap": final_gap, "loss_gap_baseline": gaps.baseline.where}
+        if (final_bf16 := gaps.final_bf16(steps)) is not None:
+            out["loss_gap_bf16"] = final_bf16
         if missing := gaps.missing():
             tracker.info(f"loss gap: the baseline has no validation loss yet at step(s) {missing}; "
                          f"`python scripts/compare_runs.py {run_dir.parent}` reports them once it has")
