@@ -325,17 +325,3 @@ def test_quantized_run_validates_in_bf16_too_and_gaps_both(tiny, tmp_path):
     assert summary["loss_gap_bf16"] == rows[4]["val/loss_gap_bf16"] and summary["loss_gap"] == rows[4]["val/loss_gap"]
     state = checkpoint_state(Path(cfg.run_dir) / "checkpoints" / "step_00000004", tmp_path / "q.pt")["model"]
     assert _bf16_val_loss(cfg, state) == pytest.approx(rows[4]["val/loss_bf16"], rel=1e-6)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the step graph needs a CUDA GPU")
-def test_replayed_step_graph_is_captured_again_at_the_switch(tiny):
-    """quartet2, compiled, a forward switch at step 6 of 12: the replayed run gives the eager
-    run's losses bit for bit, before and after the switch."""
-    common = ["device=cuda", "precision=bf16", "compile=true", "train.steps=12", "train.eval_every=6",
-              "train.ckpt_every=12", "train.micro_batch_size=4", "quant.schedule.at=6"]
-    curves = {}
-    for graph in ("true", "false"):
-        cfg = tiny(*common, f"cuda_graph={graph}", run=f"graph-{graph}")
-        trainer.run(cfg)
-        curves[graph] = _curve(cfg.run_dir)
-    assert curves["true"] == curves["false"]

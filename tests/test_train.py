@@ -465,16 +465,19 @@ def test_cuda_graph_true_where_it_cannot_run_names_why(tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the step graph needs a CUDA GPU")
-def test_replayed_step_graph_trains_the_same_bits_as_eager_steps(tiny):
-    """quartet2, compiled: every logged loss of a run whose steps replay one CUDA graph equals
-    that of the same run stepped eagerly, bit for bit (the step's changing values reach the
-    graph as data: batch, learning rate, each micro-step's Philox key)."""
+@pytest.mark.parametrize("switch", [[], ["quant.schedule.at=6"]], ids=["one-graph", "forward-to-bf16-at-6"])
+def test_replayed_step_graph_trains_the_same_bits_as_eager_steps(tiny, switch):
+    """quartet2, compiled: every logged loss and gradient norm of a run whose steps replay one CUDA
+    graph equals that of the same run stepped eagerly, bit for bit (the step's changing values
+    reach the graph as data: batch, learning rate, each micro-step's Philox key); with a forward
+    switch to BF16 at step 6 the graph is captured again there, and the bits still match."""
     common = ["device=cuda", "precision=bf16", "compile=true", "train.steps=12", "train.log_every=4",
-              "train.eval_every=6", "train.ckpt_every=6", "train.micro_batch_size=4"]
+              "train.eval_every=6", "train.ckpt_every=6", "train.micro_batch_size=4", *switch]
     losses = {}
     for graph in ("true", "false"):
         cfg = tiny(*common, f"cuda_graph={graph}", run=f"graph-{graph}")
         trainer.run(cfg)
         rows = read_metrics(cfg.run_dir)
-        losses[graph] = [(s, r.get("train/loss"), r.get("val/loss")) for s, r in sorted(rows.items())]
+        losses[graph] = [(s, r.get("train/loss"), r.get("train/grad_norm"), r.get("val/loss"))
+                         for s, r in sorted(rows.items())]
     assert losses["true"] == losses["false"]
