@@ -45,6 +45,7 @@ from quant import randomness
 
 from .distributed import all_gather_objects, barrier, rank_and_world
 from .identity import BUDGET_KEYS
+from .precision_schedule import DEFAULT_PRECISION
 
 # DCP warns once per save that it runs without a process group; that is the intended one-process mode.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -96,7 +97,7 @@ def config_fingerprint(cfg: dict) -> dict[str, Any]:
 
 
 ADDED_KEYS = {"quant.bf16_tail": None, "quant.recipe": [], "quant.schedule.at": None,
-              "quant.schedule.precision": "bf16_forward"}
+              "quant.schedule.precision": DEFAULT_PRECISION}
 """Fingerprint keys that configs gained after checkpoints had been written, each with the value
 that does what a run without the key did: a checkpoint that lacks one resumes as if it had saved
 that value (so a run started before the precision recipes resumes unchanged)."""

@@ -32,6 +32,9 @@ from .errors import ConfigError
 SWITCH_PRECISIONS = ("bf16_forward", "bf16")
 """What ``quant.schedule.precision`` can switch the quantized linears to."""
 
+DEFAULT_PRECISION = "bf16_forward"
+"""``quant.schedule.precision`` when a schedule leaves it out (configs/quant/base/switches.yaml)."""
+
 LABELS = {"bf16_forward": "fwdbf16", "bf16": "bf16"}
 """A switch's precision in a run name (:func:`switch_label`)."""
 
@@ -58,7 +61,7 @@ def switch_from_config(quant_cfg: Mapping[str, Any], steps: int) -> PrecisionSwi
     at = _at(schedule)
     if at is None:
         return None
-    precision = schedule.get("precision", "bf16_forward")
+    precision = schedule.get("precision", DEFAULT_PRECISION)
     if precision not in SWITCH_PRECISIONS:
         raise ConfigError(f"quant.schedule.precision={precision!r} is not a switch target. Fix: one of "
                           f"{', '.join(SWITCH_PRECISIONS)}.")
@@ -82,5 +85,5 @@ def switch_label(schedule: Mapping[str, Any] | None) -> str | None:
     at = _at(schedule)
     if at is None:
         return None
-    label = LABELS.get(schedule.get("precision", "bf16_forward"), str(schedule.get("precision")))
+    label = LABELS.get(schedule.get("precision", DEFAULT_PRECISION), str(schedule.get("precision")))
     return f"{label}@{at * 100:g}%" if isinstance(at, float) else f"{label}@{at}"
