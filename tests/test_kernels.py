@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,25 +98,44 @@ def _group_tests(group: str) -> list[str]:
     return INTERPRETER_GROUPS[group] or sorted(tests - set(named))
 
 
-@pytest.mark.skipif(RUN_HERE, reason="the parent of the interpreter run")
-@pytest.mark.parametrize("group", list(INTERPRETER_GROUPS))
-def test_interpreter_subprocess(group):
-    """One group of this module's tests (:data:`INTERPRETER_GROUPS`), bit-exact, on CPU under
-    triton's interpreter, in a subprocess. The child runs torch on one thread
-    (``OMP_NUM_THREADS=1``): the interpreter's work is single-threaded numpy and small torch
-    ops, which a second intra-op thread does not speed up and which, on a host whose cores are
-    busy, it slowed down a hundredfold (a 37k-element compare: 12 ms against 0.05 ms)."""
-    import subprocess
-    import sys
-    from pathlib import Path
+INTERPRETER_CHILDREN = 2
+"""How many interpreter groups run at once: each child is single-threaded, so two use the two
+cores of a CI machine (the groups start longest first, in :data:`INTERPRETER_GROUPS`' order)."""
 
+
+def _run_interpreter_group(group: str) -> subprocess.CompletedProcess[str]:
+    """One group's tests (:data:`INTERPRETER_GROUPS`) in a pytest subprocess under triton's
+    interpreter, torch on one thread (``OMP_NUM_THREADS=1``): the interpreter's work is
+    single-threaded numpy and small torch ops, which a second intra-op thread does not speed up
+    and which, on a host whose cores are busy, it slowed down a hundredfold (a 37k-element
+    compare: 12 ms against 0.05 ms)."""
     env = dict(os.environ, TRITON_INTERPRET="1", NVFP4_KERNEL_TESTS="interpreter", OMP_NUM_THREADS="1")
     env.pop("NVFP4_BACKEND", None)
     here = Path(__file__).resolve()
     ids = [f"{here}::{name}" for name in _group_tests(group)]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *ids],
-                       cwd=here.parents[1], env=env, capture_output=True, text=True,
-                       timeout=INTERPRETER_TIMEOUT_S[group])
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *ids],
+                          cwd=here.parents[1], env=env, capture_output=True, text=True,
+                          timeout=INTERPRETER_TIMEOUT_S[group])
+
+
+@pytest.fixture(scope="module")
+def interpreter_runs(request):
+    """``{group: future of its subprocess}`` for the groups this session selected,
+    :data:`INTERPRETER_CHILDREN` at a time, all started at the first test that asks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = {item.callspec.params["group"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_interpreter_subprocess"}
+    with ThreadPoolExecutor(INTERPRETER_CHILDREN) as pool:
+        yield {g: pool.submit(_run_interpreter_group, g) for g in INTERPRETER_GROUPS if g in selected}
+
+
+@pytest.mark.skipif(RUN_HERE, reason="the parent of the interpreter run")
+@pytest.mark.parametrize("group", list(INTERPRETER_GROUPS))
+def test_interpreter_subprocess(interpreter_runs, group):
+    """One group of this module's tests (:data:`INTERPRETER_GROUPS`), bit-exact, on CPU under
+    triton's interpreter, in a subprocess (:func:`_run_interpreter_group`)."""
+    r = interpreter_runs[group].result()
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
 
@@ -1026,8 +1048,6 @@ def _tiny_quartet2(n_layer: int, compile: bool):
     """The tiny preset with ``n_layer`` blocks under quartet2 on DEV, built as train.py builds it
     (blocks compiled by ``model.parallel`` when ``compile``), and a batch of its tokens.
     Returns ``(model, tokens)``."""
-    from pathlib import Path
-
     import yaml
 
     from model import build_model
