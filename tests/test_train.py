@@ -152,8 +152,9 @@ def interrupt(how: str, stop: int, monkeypatch: pytest.MonkeyPatch, run_dir: Pat
 
 
 @pytest.mark.parametrize("setting,interruptions", [
-    pytest.param(["quant=quartet2"], {"ctrl_c": 3, "preempt": 4}, id="quartet2"),
-    pytest.param(["quant=bf16", "precision=bf16"], {"ctrl_c": 3}, id="bf16"),
+    # ctrl_c at 6: after the final checkpoint, before the summary is written.
+    pytest.param(["quant=quartet2"], [("ctrl_c", 3), ("preempt", 4), ("ctrl_c", 6)], id="quartet2"),
+    pytest.param(["quant=bf16", "precision=bf16"], [("ctrl_c", 3)], id="bf16"),
 ])
 def test_resume_reproduces_uninterrupted_run(tiny, tmp_path, monkeypatch, setting, interruptions):
     steps = 6
@@ -164,8 +165,8 @@ def test_resume_reproduces_uninterrupted_run(tiny, tmp_path, monkeypatch, settin
     metrics_a = read_metrics(cfg_a.run_dir)
     final_a = checkpoint_state(Path(cfg_a.run_dir) / "checkpoints" / f"step_{steps:08d}", tmp_path / "a.pt")
 
-    for how, stop in interruptions.items():
-        cfg_b = tiny(*common, run=f"b-{how}")
+    for how, stop in interruptions:
+        cfg_b = tiny(*common, run=f"b-{how}-{stop}")
         run_dir = Path(cfg_b.run_dir)
         with monkeypatch.context() as m:
             stopped = interrupt(how, stop, m, run_dir)
@@ -186,7 +187,7 @@ def test_resume_reproduces_uninterrupted_run(tiny, tmp_path, monkeypatch, settin
         assert metrics_b[steps]["val/loss"] == metrics_a[steps]["val/loss"]
         assert summary_b == summary_a
         # Bit-identical weights and optimizer moments at the end.
-        final_b = checkpoint_state(run_dir / "checkpoints" / f"step_{steps:08d}", tmp_path / f"{how}.pt")
+        final_b = checkpoint_state(run_dir / "checkpoints" / f"step_{steps:08d}", tmp_path / f"{how}-{stop}.pt")
         assert_same_tensors(final_a, final_b)
         assert not (run_dir / STOP_FILE).exists() and not (run_dir / REQUEUE_FILE).exists()
 

@@ -232,7 +232,9 @@ class TrainState:
     """What a resumed run needs besides the model and optimizer shards to continue bit-identically:
     the step, the data loader's position, the quantizers' and torch's RNG states (read when the
     checkpoint is taken), the W&B run id, the config fingerprint and resolved config, and the last
-    validation loss. :meth:`extra` is what ``extra.pt`` holds."""
+    validation loss(es), ``val/loss`` and, for a run that also validates in BF16, ``val/loss_bf16``
+    (a run checkpointed after its final validation writes its summary from them on resuming).
+    :meth:`extra` is what ``extra.pt`` holds."""
 
     step: int
     loader: Any  # data.loader.TokenLoader: state_dict() / load_state_dict()
@@ -240,19 +242,22 @@ class TrainState:
     config: dict[str, Any]
     wandb_run_id: str | None = None
     val_loss: float | None = None
+    val_loss_bf16: float | None = None
 
     def extra(self) -> dict[str, Any]:
         """The state as ``extra.pt`` stores it."""
         return {"step": self.step, "loader": self.loader.state_dict(), "quant_rng": randomness.state_dict(),
                 "torch_rng": torch.get_rng_state(), "wandb_run_id": self.wandb_run_id,
-                "fingerprint": self.fingerprint, "config": self.config, "val_loss": self.val_loss}
+                "fingerprint": self.fingerprint, "config": self.config, "val_loss": self.val_loss,
+                "val_loss_bf16": self.val_loss_bf16}
 
     def restore(self, extra: dict[str, Any], rank: int) -> None:
         """Continue from a checkpoint's ``extra`` on ``rank`` (the quantizer streams are per rank)."""
         self.loader.load_state_dict(extra["loader"])
         randomness.load_state_dict({**extra["quant_rng"], "rank": rank})
         torch.set_rng_state(extra["torch_rng"])
-        self.step, self.wandb_run_id, self.val_loss = extra["step"], extra["wandb_run_id"], extra.get("val_loss")
+        self.step, self.wandb_run_id = extra["step"], extra["wandb_run_id"]
+        self.val_loss, self.val_loss_bf16 = extra.get("val_loss"), extra.get("val_loss_bf16")
 
 
 @dataclass

@@ -153,7 +153,6 @@ class Trainer:
         self.steps = total_steps(cfg, self.n_params)
         self.switch = switch_from_config(cfg.quant, self.steps)
         self.switched = False  # whether the quantized linears have switched (quant.schedule)
-        self.val_loss_bf16: float | None = None
         self.tokens_per_step = t.batch_size * t.seq_len
         self.resolved = OmegaConf.to_container(cfg, resolve=True)
         fingerprint = config_fingerprint({**self.resolved, "world_size": di.world_size})
@@ -363,7 +362,7 @@ class Trainer:
         """``metrics`` of step ``step`` with its validation loss(es), and its gap when one is ready."""
         losses = self.validation.losses(self.model)
         self.state.val_loss = losses["val/loss"]
-        self.val_loss_bf16 = losses.get("val/loss_bf16")
+        self.state.val_loss_bf16 = losses.get("val/loss_bf16")
         return self.validation.with_gap(step, metrics | losses, self.tracker.info)
 
     def _save(self, step: int, force_sync: bool = False) -> Path:
@@ -391,8 +390,8 @@ class Trainer:
         summary = {"final_val_loss": self.state.val_loss, "steps": steps, "tokens": tokens,
                    "non_embedding_params": self.n_params, "scheme": self.scheme.name,
                    "model": self.cfg.model.name, "world_size": self.di.world_size}
-        if self.val_loss_bf16 is not None:
-            summary["final_val_loss_bf16"] = self.val_loss_bf16
+        if self.state.val_loss_bf16 is not None:
+            summary["final_val_loss_bf16"] = self.state.val_loss_bf16
         summary |= self.validation.final_gap(steps, self.run_dir, self.tracker)
         self.tracker.summary(summary)
         minutes = (time.perf_counter() - t_run) / 60
