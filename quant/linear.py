@@ -448,15 +448,23 @@ def edge_block_patterns(n_layer: int, first: int = 2, last: int = 8, prefix: str
     return [f"{prefix}.{i}.*" for i in idx]
 
 
-def skip_patterns(quant_cfg: Mapping[str, Any], n_layer: int, default: Sequence[str] = ()) -> list[str]:
-    """The module patterns a quant config (configs/quant/) keeps in high precision: its ``skip``
-    (``default`` when absent or null: the scheme's own, for the config of a run) and
-    ``keep_edge_blocks``'s first and last blocks (:func:`edge_block_patterns`)."""
-    patterns = list(quant_cfg["skip"] if quant_cfg.get("skip") is not None else default)
+def skip_patterns_by_key(quant_cfg: Mapping[str, Any], n_layer: int,
+                         default: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """``(config key, pattern)`` for each module pattern a quant config (configs/quant/) keeps in
+    high precision: its ``skip`` (``default`` when absent or null: the scheme's own, for the config
+    of a run) and ``keep_edge_blocks``'s first and last blocks (:func:`edge_block_patterns`)."""
+    skip = quant_cfg["skip"] if quant_cfg.get("skip") is not None else default
+    patterns = [("quant.skip", p) for p in skip]
     edges = quant_cfg.get("keep_edge_blocks")
     if edges:
-        patterns += edge_block_patterns(n_layer, edges["first"], edges["last"])
+        patterns += [("quant.keep_edge_blocks", p)
+                     for p in edge_block_patterns(n_layer, edges["first"], edges["last"])]
     return patterns
+
+
+def skip_patterns(quant_cfg: Mapping[str, Any], n_layer: int, default: Sequence[str] = ()) -> list[str]:
+    """The patterns of :func:`skip_patterns_by_key`, in its order."""
+    return [p for _, p in skip_patterns_by_key(quant_cfg, n_layer, default)]
 
 
 def quantize_model(

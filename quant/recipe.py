@@ -21,7 +21,7 @@ two blocks, ``blocks.{..1,-8..}.*`` NVIDIA's first 2 and last 8 (arXiv 2509.2514
 
 The layer choices of a quant config (configs/quant/base/switches.yaml) are cases of a recipe,
 translated into BF16 rules ahead of its own ``recipe`` list (:func:`recipe_from_config`): ``skip``
-and ``keep_edge_blocks`` (their patterns, :func:`quant.linear.skip_patterns`) and ``bf16_tail``,
+and ``keep_edge_blocks`` (their patterns, :func:`quant.linear.skip_patterns_by_key`) and ``bf16_tail``,
 the last N blocks (an int) or the last fraction of them (a float in (0, 1], rounded up to whole
 blocks: Nemotron 3 keeps its last ~15% in BF16). A config without ``recipe`` and ``bf16_tail``
 therefore quantizes the very layers it did before, with the same layer indices
@@ -41,7 +41,7 @@ from typing import Any
 
 from torch import nn
 
-from .linear import QuantLinear, check_linear_shape, quantize_model, skip_patterns
+from .linear import QuantLinear, check_linear_shape, quantize_model, skip_patterns_by_key
 from .schemes import Scheme, bf16_gemms
 
 PRECISIONS = ("scheme", "bf16", "bf16_forward", "bf16_backward")
@@ -151,8 +151,7 @@ def recipe_from_config(quant_cfg: Mapping[str, Any], n_blocks: int, default_skip
     """The recipe of a quant config (configs/quant/): BF16 rules for ``skip`` (``default_skip``,
     the scheme's own, when absent or null), ``keep_edge_blocks`` and ``bf16_tail``, then the
     ``recipe`` list's rules, each ``{modules: <pattern>, precision: <one of PRECISIONS>}``."""
-    rules = [Rule(p, "bf16", "quant.skip, quant.keep_edge_blocks")
-             for p in skip_patterns(quant_cfg, n_blocks, default_skip)]
+    rules = [Rule(p, "bf16", key) for key, p in skip_patterns_by_key(quant_cfg, n_blocks, default_skip)]
     tail = quant_cfg.get("bf16_tail")
     if tail is not None and (n := tail_blocks(tail, n_blocks)):
         rules.append(Rule(f"{BLOCKS}.{{-{n}..}}.*", "bf16", "quant.bf16_tail"))

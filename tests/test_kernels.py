@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -120,10 +121,8 @@ def _run_interpreter_group(group: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def interpreter_runs(request):
-    """``{group: future of its subprocess}`` for the groups this session selected,
+    """``{group: future of its subprocess}`` for the groups among the collected tests,
     :data:`INTERPRETER_CHILDREN` at a time, all started at the first test that asks."""
-    from concurrent.futures import ThreadPoolExecutor
-
     selected = {item.callspec.params["group"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_interpreter_subprocess"}
     with ThreadPoolExecutor(INTERPRETER_CHILDREN) as pool:

@@ -82,6 +82,8 @@ def test_bad_rules_name_the_problem_and_the_fix(compose_train):
         quantize_with_recipe(model, get_scheme("quartet2"), recipe)
     with pytest.raises(RecipeError, match=r"block 5 does not exist in a model of 2 blocks"):
         recipe_from_config({"recipe": [{"modules": "blocks.{5}.*", "precision": "bf16"}]}, 2)
+    with pytest.raises(RecipeError, match=r"^quant.skip: block range \{5\.\.\}: block 5 does not exist"):
+        recipe_from_config({"skip": ["lm_head", "blocks.{5..}.*"]}, 2)
 
 
 def _layers(model: nn.Module) -> dict[str, tuple[int, quant.Scheme]]:
